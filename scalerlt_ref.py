@@ -1,0 +1,939 @@
+"""ScaleRLT reference: exact reinforcement learning on looped (Ouro-style) language models.
+
+A looped language model applies one stack of L decoder layers R times ("loops"); after every loop a
+learned exit gate says how likely the token is to be done. Easy tokens can stop after fewer loops, so
+decoding is cheap *if* the loops an exiting token skips are really skipped. This module is three
+things at once (the contract is SPEC.md; the README has the derivations):
+
+1. a teaching reference: read it top to bottom once and you can explain why a rollout that skips work
+   and a learner that recomputes densely agree bit for bit;
+2. a trainer (GRPO on small GSM8K subsets; see the commands at the bottom);
+3. an oracle: other engines check their tokens, exit loops and log-probs against it.
+
+The method in four lines:
+- Deferred rollouts: a token stops at its exit loop. Loops it skipped are computed later, only if a
+  later token needs them (its K/V at that loop), riding along as extra rows in that token's call.
+- Every rollout records its *schedule*: the ordered calls (loop, rows) it made.
+- Replay re-executes the schedule with the same code, so it reproduces the sampler's log-probs bit for
+  bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense
+  teacher-forced forward: `replay.detach() + (tf - tf.detach())`.
+- So GRPO's first-iteration ratios are exactly 1, in float32 and bfloat16.
+
+Why dense and deferred differ in bits under "fast" numerics, and why the replay fixes it
+-----------------------------------------------------------------------------------------
+Floating-point results depend on how an operation is batched, not only on its inputs. Measured on the
+CPU build of torch this project pins: a float32 matmul gives a row different bits when the call has
+1-4 rows than when it has more (different kernels, different summation order); `sigmoid` and `silu`
+take a scalar path for the tail of a tensor and a vector path for the rest, with different bits. A
+deferred rollout runs a token's loop r together with whatever earlier positions ride along, a dense
+rollout runs it with the other sequences' tokens, and a teacher-forced learner runs it with every
+position at once: three different batch shapes, so three slightly different results (~1e-6 in float32,
+~1e-2 in bfloat16). The sampled tokens came from one of them; a learner that uses another is silently
+off-policy. Two fixes, both here:
+- `numerics="invariant"` computes every row on its own (each layer, one row at a time), so a row's
+  bits never depend on its call-mates: dense, deferred and teacher-forced then agree bit for bit.
+  It is slow; it is how the tests prove the algorithm, not how you train.
+- the replay: whatever the numerics, re-executing the *same* calls with the *same* rows in the *same*
+  order through the *same* function gives the same bits. The learner's value comes from there.
+
+What this reference simplifies (on purpose):
+1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
+2. Sampling happens on the CPU from each sequence's own `torch.Generator`.
+3. No sliding-window attention, no RoPE scaling, no attention bias (Ouro-1.4B uses none of them).
+
+Shape letters used in comments: B sequences, T positions, N new tokens, R loops, L layers, C width
+(hidden_size), H query heads, G key/value heads, D head size, I MLP width, V vocabulary, n rows of a
+call. Loops are 1-based (1..R), positions 0-based.
+
+Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------
+
+# Field names follow HF Ouro's config.json, so one naming family runs from checkpoint to code.
+_HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "use_cache", "initializer_range", "attention_dropout", "max_window_layers", "sliding_window",
+    "use_sliding_window", "layer_types", "hidden_act", "rope_scaling", "attention_bias",
+    "early_exit_step", "chunk_size", "_name_or_path", "is_decoder", "output_hidden_states",
+}
+
+
+@dataclass
+class Config:
+    """One looped model's shape. Loads tiny_configs/*.json (strict) and HF Ouro config.json files."""
+
+    vocab_size: int = 260
+    hidden_size: int = 64  # C
+    intermediate_size: int = 128  # I, the MLP width
+    num_hidden_layers: int = 2  # L, layers per loop
+    num_attention_heads: int = 4  # H
+    num_key_value_heads: int = 2  # G; H must be a multiple of G (GQA when G < H)
+    head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
+    total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro's code)
+    early_exit_threshold: float = 1.0  # exit at the first loop whose exit CDF reaches this
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False  # Ouro's head is untied; tied checkpoints still load
+    initializer_range: float = 0.02  # std of the random init (tiny models only)
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
+            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+                raise ValueError(f"config key {f.name!r} must be a number, got {v!r}")
+            if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"config key {name!r} must be >= 1, got {getattr(self, name)}")
+        if self.total_ut_steps < 1:
+            raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {self.total_ut_steps}")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"config key 'num_attention_heads' ({self.num_attention_heads}) must divide "
+                                 f"'hidden_size' ({self.hidden_size}) when 'head_dim' is not given")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
+                             f"'num_attention_heads' ({self.num_attention_heads})")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
+        if self.early_exit_threshold is None or not math.isfinite(self.early_exit_threshold):
+            raise ValueError(f"config key 'early_exit_threshold' must be a finite number, got {self.early_exit_threshold}")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < self.vocab_size:
+                raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{self.vocab_size - 1}")
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "<dict>") -> "Config":
+        """Build from a tiny-config dict (unknown keys are an error) or an HF Ouro config.json dict."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: a config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        is_hf = "model_type" in d or "architectures" in d
+        kw = {}
+        for key, value in d.items():
+            if key in known:
+                kw[key] = value
+            elif is_hf and key in _HF_IGNORED_KEYS:
+                continue
+            elif is_hf:
+                warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
+            else:
+                raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
+        if is_hf:
+            _check_hf_semantics(d, source)
+            if kw.get("early_exit_threshold") is None:  # HF's default: no early exit
+                kw["early_exit_threshold"] = 1.0
+            if kw.get("head_dim") is None:
+                kw.pop("head_dim", None)
+            if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
+                kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+        try:
+            return cls(**kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Config":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such config file") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        return cls.from_dict(d, str(path))
+
+    def to_hf_dict(self) -> dict:
+        """The HF Ouro config.json of this model (so HF's own code can load what we save)."""
+        d = dataclasses.asdict(self)
+        d.update(model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu",
+                 rope_scaling=None, use_sliding_window=False, attention_dropout=0.0)
+        return d
+
+
+def _check_hf_semantics(d: dict, source: str):
+    """Refuse HF settings that would change the math this module implements."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
+    if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
+    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
+    if d.get("attention_bias"):
+        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numerics
+# ---------------------------------------------------------------------------------------------------
+
+NUMERICS = ("fast", "invariant")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmaxes, norms and the exit rule: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
+    """Apply `fn` to all rows at once ("fast") or to one row at a time ("invariant").
+
+    NOTE: "invariant" is the whole trick of batch invariance: a row computed alone gets the same bits
+    whatever else was in its call, because every kernel sees the same one-row shape every time.
+    """
+    if numerics == "fast":
+        return fn(*rows)
+    if numerics != "invariant":
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    return torch.cat([fn(*(t[i:i + 1] for t in rows)) for i in range(rows[0].shape[0])])
+
+
+def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of every element computed on its own (one-element kernel call each).
+
+    NOTE: torch's CPU sigmoid uses a vector kernel for most of a tensor and a scalar one for the tail,
+    with different bits; computing each element alone makes the exit rule independent of how many
+    gates were evaluated together. Only R values per position, so the Python loop is cheap.
+    """
+    flat = x.reshape(-1)
+    return torch.stack([torch.sigmoid(v) for v in flat]).reshape(x.shape) if flat.numel() else x.clone()
+
+
+def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin for every position: (max_position_embeddings, D), NeoX split-half layout.
+
+    Computed once in float64 and rounded once to `dtype`; rows are looked up by position, so a row's
+    rotation never depends on which other rows share its call.
+    """
+    D = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+    angles = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq  # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (n, heads, D), cos/sin (n, D): rotate pairs (i, i + D/2) by the position's angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (n, heads, D)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model (HF Ouro's module names, so state_dict keys are the checkpoint's tensor names)
+# ---------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):  # x (n, C)
+        xf = x.to(acc_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)  # NOTE: weight multiplies in the input dtype, as in Ouro
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):  # (n, C) -> (n, C)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Causal GQA attention over a call's rows, reading and writing one loop's slice of the KV cache."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.H, self.G, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.G * self.D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.G * self.D, bias=False)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+
+    def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):
+        """x (n, C); seq, pos (n,) long: the rows' sequence and position, rows of one sequence
+        contiguous and in position order; k_cache, v_cache (B, G, T, D) for this loop and layer."""
+        n, H, G, D = x.shape[0], self.H, self.G, self.D
+        q = apply_rope(self.q_proj(x).view(n, H, D), cos[pos], sin[pos])  # (n, H, D)
+        k = apply_rope(self.k_proj(x).view(n, G, D), cos[pos], sin[pos])  # (n, G, D), cached after RoPE
+        v = self.v_proj(x).view(n, G, D)  # (n, G, D)
+        k_cache[seq, :, pos] = k  # NOTE: written before attending: rows of one call see each other causally
+        v_cache[seq, :, pos] = v
+        # Pack the rows as (sequence, row-within-sequence) so each sequence attends to its own cache.
+        seqs, slot, counts = torch.unique_consecutive(seq, return_inverse=True, return_counts=True)
+        j = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[slot]  # (n,) index within seq
+        nb, m, Tk = seqs.numel(), int(counts.max()), int(pos.max()) + 1
+        qp = q.new_zeros(nb, m, H, D)
+        qp[slot, j] = q  # (nb, m, H, D)
+        qpos = pos.new_zeros(nb, m)
+        qpos[slot, j] = pos  # (nb, m); padding rows sit at position 0 and are dropped below
+        K = k_cache[seqs, :, :Tk].repeat_interleave(H // G, dim=1)  # (nb, H, Tk, D)
+        V = v_cache[seqs, :, :Tk].repeat_interleave(H // G, dim=1)  # (nb, H, Tk, D)
+        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D ** -0.5  # (nb, H, m, Tk)
+        causal = torch.arange(Tk, device=x.device)[None, None, :] <= qpos[:, :, None]  # (nb, m, Tk)
+        att = att.masked_fill(~causal[:, None], float("-inf"))
+        att = torch.softmax(att, dim=-1, dtype=acc_dtype(x.dtype)).to(x.dtype)  # softmax in float32
+        y = (att @ V).transpose(1, 2)[slot, j]  # (n, H, D)
+        return self.o_proj(y.reshape(n, H * D))
+
+
+class DecoderLayer(nn.Module):
+    """Ouro's sandwich-norm block: each sublayer's output is normalised again before the residual."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):  # x (n, C) -> (n, C)
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroBody(nn.Module):
+    """`model.*` in an Ouro checkpoint: embeddings, the shared layers, the final norm and the exit gate."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
+
+
+@dataclass
+class LoopOutputs:
+    logits: torch.Tensor  # (R, B, T, V) readout of every loop, in the model dtype
+    gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
+
+
+class LoopedLM(nn.Module):
+    """Ouro's looped decoder: R passes through the same L layers, a readout and an exit gate per loop.
+
+    Per loop, per layer (sandwich RMSNorm):
+        h = h + input_layernorm_2(attn(input_layernorm(h)))
+        h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
+    then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
+    lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
+    """
+
+    def __init__(self, cfg: Config, *, seed: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.model = OuroBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        gen = torch.Generator().manual_seed(seed)  # a dedicated generator: init never touches global RNG
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
+                continue  # norms start at 1
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range if p.dim() > 1
+                        else torch.zeros(p.shape))
+        self._rope: dict = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.dtype, self.device)
+        if key not in self._rope:  # computed once per dtype and device, never inside a call
+            self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
+        return self._rope[key]
+
+    def loop(self, x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, cache: "LoopCache", r: int,
+             numerics: str = "fast") -> torch.Tensor:
+        """One pass of a call's rows through all L layers of loop r (1-based), then the final norm.
+
+        x (n, C) the rows' input (embedding at loop 1, loop r-1's output after); seq, pos (n,) long.
+        Writes the rows' K/V of loop r into `cache`; returns h_r (n, C). Under "invariant" numerics each
+        layer runs one row at a time (rows in position order, so K/V are written before they are read).
+        """
+        cos, sin = self.rope()
+        for layer, k_cache, v_cache in zip(self.model.layers, cache.k[r - 1], cache.v[r - 1]):
+            x = by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
+        return by_rows(numerics, self.model.norm, x)
+
+    def gate_logits(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
+        """h (n, C) -> exit-gate logits (n,) in the model dtype."""
+        return by_rows(numerics, self.model.early_exit_gate, h)[:, 0]
+
+    def readout(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
+        """h (n, C) -> logits (n, V) in the model dtype."""
+        return by_rows(numerics, self.lm_head, h)
+
+    def loop_outputs(self, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
+        """Teacher-forced, every loop, whole batch: idx (B, T) long -> LoopOutputs (R, B, T, V), (R, B, T)."""
+        B, T = idx.shape
+        _check_ids(idx, self.config, "idx")
+        cache = LoopCache.empty(self, B, T)
+        seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
+        pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
+        logits, gates = [], []
+        for r in range(1, self.config.total_ut_steps + 1):
+            h = execute_call(self, Call(r, list(zip(seq.tolist(), pos.tolist()))), idx, cache, numerics)
+            logits.append(self.readout(h, numerics).view(B, T, -1))
+            gates.append(self.gate_logits(h, numerics).view(B, T))
+        return LoopOutputs(torch.stack(logits), torch.stack(gates))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LoopedLM":
+        """Load an HF Ouro checkpoint folder (config.json + model.safetensors or sharded with an index)."""
+        return load_checkpoint(path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write config.json + model.safetensors in the HF Ouro layout, atomically."""
+        save_checkpoint(self, path)
+
+
+def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+
+
+def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
+    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
+
+    out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
+    bool. p(r|x) is the exit distribution of the gates: p_r = lambda_r * prod_{j<r}(1 - lambda_j) for
+    r < R and the rest for r = R. The entropy bonus keeps the gate from collapsing onto one depth.
+    """
+    R = out.logits.shape[0]
+    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
+    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if R > 1 else survive  # (R, B, T), sums to 1
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(),
+                         reduction="none").view_as(p)  # (R, B, T)
+    entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
+    per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Exit rule
+# ---------------------------------------------------------------------------------------------------
+
+
+def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
+    """The exit rule for one position (SPEC §3), given the gate logits of its first r <= R loops.
+
+    lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model); CDF_j = 1 - prod_{i<=j}(1 -
+    lambda_i) for j < R and CDF_R = 1. The exit loop is the first j >= min_loops with CDF_j >= threshold
+    (R when none: a threshold above 1 always runs all loops). Returns None when loops 1..r do not decide.
+    """
+    acc = acc_dtype(gate_logits.dtype)
+    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (r,)
+    tau = torch.tensor(threshold, dtype=acc)  # the threshold, rounded to the rule's dtype
+    remaining = torch.tensor(1.0, dtype=acc)
+    for j in range(1, lam.numel() + 1):
+        remaining = remaining * (1 - lam[j - 1])
+        if j >= min_loops and (j == R or bool(1 - remaining >= tau)):
+            return j
+    return None
+
+
+def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
+    """CDF_r - threshold for r = 1..R (R values, CDF_R = 1): how far each loop was from exiting."""
+    acc = acc_dtype(gate_logits.dtype)
+    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (R,)
+    cdf = 1 - torch.cumprod(1 - lam, dim=0)  # (R,)
+    cdf[R - 1] = 1
+    return cdf - threshold
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV cache (a plain object with a loop axis; the caller owns positions)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopCache:
+    """Everything a looped model remembers about the positions it has computed.
+
+    k, v: [loop][layer] (B, G, T, D) keys (after RoPE) and values; h (B, T, C): each position's latest
+    loop output, the input of its next loop; depth (B, T) long: how many loops each position has done.
+    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r; that is the whole bookkeeping.
+    """
+
+    k: list[list[torch.Tensor]]
+    v: list[list[torch.Tensor]]
+    h: torch.Tensor
+    depth: torch.Tensor
+
+    @classmethod
+    def empty(cls, model: LoopedLM, B: int, T: int) -> "LoopCache":
+        cfg, dt, dev = model.config, model.dtype, model.device
+        kv = lambda: torch.zeros(B, cfg.num_key_value_heads, T, cfg.head_dim, dtype=dt, device=dev)  # noqa: E731
+        return cls(k=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
+                   v=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
+                   h=torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev),
+                   depth=torch.zeros(B, T, dtype=torch.long, device=dev))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Calls and schedules
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """One pass of some rows (sequence, position) through all L layers of one loop.
+
+    `readout` lists the rows (a subset, in row order) whose loop output is read out in this call: the
+    positions that exit at this loop and whose next token is sampled.
+    """
+
+    loop: int
+    rows: list[tuple[int, int]]
+    readout: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Schedule:
+    """The ordered calls of a rollout (prefill included), plus what is needed to execute them again."""
+
+    calls: list[Call]
+    mode: str  # "dense" | "deferred" | "teacher_forced"
+    numerics: str  # "fast" | "invariant"
+    dtype: str  # e.g. "torch.bfloat16"
+    loops: int  # R
+
+    def to_json(self) -> str:
+        return json.dumps({"mode": self.mode, "numerics": self.numerics, "dtype": self.dtype, "loops": self.loops,
+                           "calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        d = json.loads(text)
+        calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
+        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"])
+
+    def row_loops(self) -> int:
+        """Total (row, loop) units of work: the sum of the calls' row counts."""
+        return sum(len(c.rows) for c in self.calls)
+
+    def grid(self, seq: int = 0) -> str:
+        """A text picture for readers: a line per position, a column per loop, each cell the number of
+        the call that computed it ('·' where that loop of that position was never computed)."""
+        cells: dict[tuple[int, int], int] = {}
+        for i, c in enumerate(self.calls):
+            for b, p in c.rows:
+                if b == seq:
+                    cells[(p, c.loop)] = i
+        if not cells:
+            return f"(sequence {seq} has no rows)"
+        w = max(3, len(str(len(self.calls) - 1))) + 1
+        lines = [f"{self.mode}, sequence {seq}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1))]
+        for p in range(max(p for p, _ in cells) + 1):
+            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, self.loops + 1)))
+        return "\n".join(lines)
+
+
+def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str) -> torch.Tensor:
+    """Execute one call; the ONE function through which rollouts, replays and teacher forcing compute.
+
+    tokens (B, T) long; the rows' input is their embedding at loop 1, else their loop r-1 output from
+    `cache.h`. Updates the cache (K/V, h, depth) and returns the rows' loop output h_r (n, C).
+    NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this.
+    """
+    r, dev = call.loop, tokens.device
+    seq = torch.tensor([b for b, _ in call.rows], dtype=torch.long, device=dev)  # (n,)
+    pos = torch.tensor([p for _, p in call.rows], dtype=torch.long, device=dev)  # (n,)
+    # Rows must arrive ready for this loop: done with loop r-1 exactly.
+    if not bool((cache.depth[seq, pos] == r - 1).all()):
+        raise RuntimeError(f"call at loop {r}: some row has not finished loop {r - 1} (or did loop {r} already)")
+    x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
+    cache.depth[seq, pos] = r
+    # NOTE: the invariant deferral must keep: every K/V a row attends to (its own sequence, positions
+    # <= its own, this loop) is computed, either earlier or by a row of this call that comes before it.
+    T = cache.depth.shape[1]
+    needed = torch.arange(T, device=dev)[None, :] <= pos[:, None]  # (n, T)
+    assert bool((cache.depth[seq] >= r)[needed].all()), f"call at loop {r} would attend to K/V never computed"
+    h = model.loop(x, seq, pos, cache, r, numerics)  # (n, C)
+    cache.h[seq, pos] = h
+    return h
+
+
+def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "fast") -> torch.Tensor:
+    """The policy: logits (n, V) -> log-probabilities (n, V) in float32 (float64 for a float64 model).
+
+    log_softmax(float32(logits) / temperature); temperature 0 (greedy) scores with temperature 1.
+    One function, used by sampling, replay and the learner alike.
+    """
+    t = temperature if temperature > 0 else 1.0
+    return by_rows(numerics, lambda z: torch.log_softmax(z.to(acc_dtype(z.dtype)) / t, dim=-1), logits)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rollouts
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """Results are data: everything downstream (replay, GRPO, the oracle) reads these fields."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]  # sampled ids, EOS included when it was sampled
+    exit_loops: list[list[int]]  # 1-based exit loop of the position that produced each completion token
+    logprobs: torch.Tensor  # (B, N) float32 (float64 for a float64 model), 0 where mask is False
+    mask: torch.Tensor  # (B, N) bool
+    schedule: Schedule
+    temperature: float = 1.0
+    kv: str = "exact"
+
+    def tokens(self, device=None) -> torch.Tensor:
+        """(B, T) long: prompt + completion per sequence, right-padded with 0."""
+        T = max(len(p) + len(c) for p, c in zip(self.prompts, self.completions))
+        out = torch.zeros(len(self.prompts), T, dtype=torch.long)
+        for b, (p, c) in enumerate(zip(self.prompts, self.completions)):
+            out[b, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        return out.to(device) if device is not None else out
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
+    return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -> int:
+    """One draw from a (V,) log-prob row (inverse CDF with one uniform from `gen`); argmax when greedy."""
+    if temperature == 0:
+        return int(logp.argmax())
+    cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
+    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
+
+
+@torch.no_grad()
+def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred", numerics: str = "fast",
+            max_new_tokens: int = 32, temperature: float = 1.0, exit_threshold: float | None = None,
+            min_loops: int = 1, seed: int = 0, eos_id: int | None = None, kv: str = "exact",
+            sequence_ids: list[int] | None = None) -> Rollout:
+    """Sample completions for a batch of prompts of different lengths; record everything.
+
+    mode "dense": every position runs all R loops; the exit only picks the readout loop.
+    mode "deferred": a position stops at its exit loop; its deeper loops run later, only when a later
+    token of its sequence needs them. Both compute the same policy (SPEC §3-4).
+
+    The one rule that generates both schedules: at every step, for loop r = 1, 2, ..., a sequence *takes
+    part* in loop r (dense: always; deferred: while its newest position has not exited), and a sequence
+    that takes part brings *every* position up to its newest that has finished exactly r-1 loops. In
+    dense mode those are only the new positions; in deferred mode they include earlier positions that
+    exited before loop r and now ride along.
+    NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V of earlier
+    positions, which by the same rule were brought up to loop r no later than in this call. Loops that
+    no later token needs are never computed.
+
+    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32, mask (B, N) bool,
+    and the schedule. Sequence b draws from its own generator seeded by (seed, sequence_ids[b]).
+    """
+    cfg, R = model.config, model.config.total_ut_steps
+    if mode not in ("dense", "deferred"):
+        raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if kv != "exact":
+        raise ValueError(f"kv must be 'exact', got {kv!r}")
+    if not 1 <= min_loops <= R:
+        raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    threshold = cfg.early_exit_threshold if exit_threshold is None else exit_threshold
+    B, N = len(prompts), max_new_tokens
+    for b, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {b} is empty")
+        if len(p) + N > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {b}: {len(p)} tokens + {N} new exceed the position limit "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        _check_ids(torch.tensor(p), cfg, f"prompt {b}")
+    ids = list(range(B)) if sequence_ids is None else list(sequence_ids)
+    gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in ids]
+
+    T = max(len(p) for p in prompts) + N
+    tokens = torch.zeros(B, T, dtype=torch.long, device=model.device)  # (B, T)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = torch.tensor(p)
+    cache = LoopCache.empty(model, B, T)
+    lp_dtype = acc_dtype(model.dtype)
+    logprobs = torch.zeros(B, N, dtype=lp_dtype)
+    completions: list[list[int]] = [[] for _ in range(B)]
+    exits: list[list[int]] = [[] for _ in range(B)]
+    calls: list[Call] = []
+    newest = [len(p) - 1 for p in prompts]  # the position whose readout samples each sequence's next token
+    active = list(range(B))
+
+    while active:
+        gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # newest position's gate logits
+        exit_at: dict[int, int] = {}
+        for r in range(1, R + 1):
+            taking_part = [b for b in active if mode == "dense" or b not in exit_at]
+            if not taking_part:
+                break
+            rows = [(b, int(p)) for b in taking_part
+                    for p in (cache.depth[b, :newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()]
+            call = Call(r, rows)
+            h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+            # The exit decision for each newest position still undecided (its own gate, its own rule).
+            deciding = [i for i, (b, p) in enumerate(rows) if p == newest[b] and b not in exit_at]
+            g = model.gate_logits(h[deciding], numerics) if deciding else None  # (k,)
+            for gi, i in enumerate(deciding):
+                b = rows[i][0]
+                gates[b].append(g[gi])
+                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops)
+                if e is not None:
+                    exit_at[b] = e
+                    call.readout.append(rows[i])
+            if call.readout:  # read out, in row order, the rows that exit at this loop; then sample
+                idx = [rows.index(rc) for rc in call.readout]
+                logp = policy_logprobs(model.readout(h[idx], numerics), temperature, numerics)  # (k, V)
+                for (b, p), lp in zip(call.readout, logp):
+                    tok = sample_token(lp, gens[b], temperature)
+                    k = len(completions[b])
+                    completions[b].append(tok)
+                    exits[b].append(r)
+                    logprobs[b, k] = lp[tok].cpu()
+            calls.append(call)
+        for b in list(active):
+            k = len(completions[b])
+            if k == N or (eos_id is not None and completions[b][-1] == eos_id):
+                active.remove(b)  # done: its last token never needs to enter the model
+            else:
+                newest[b] += 1
+                tokens[b, newest[b]] = completions[b][-1]
+
+    mask = torch.zeros(B, N, dtype=torch.bool)
+    for b in range(B):
+        mask[b, :len(completions[b])] = True
+    return Rollout(prompts=[list(p) for p in prompts], completions=completions, exit_loops=exits,
+                   logprobs=logprobs, mask=mask, schedule=Schedule(calls, mode, numerics, str(model.dtype), R),
+                   temperature=temperature, kv=kv)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Learner log-probabilities
+# ---------------------------------------------------------------------------------------------------
+
+
+def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str) -> torch.Tensor:
+    """Run `calls` over the rollout's tokens, teacher-forcing them; return (B, N) log-probs of the
+    recorded completion tokens, read out where the calls say (0 where mask is False)."""
+    tokens = ro.tokens(model.device)  # (B, T)
+    B, N = ro.mask.shape
+    _check_ids(tokens, model.config, "rollout tokens")
+    cache = LoopCache.empty(model, B, tokens.shape[1])
+    out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)
+    for call in calls:
+        h = execute_call(model, call, tokens, cache, numerics)
+        if not call.readout:
+            continue
+        index = {rc: i for i, rc in enumerate(call.rows)}
+        logp = policy_logprobs(model.readout(h[[index[rc] for rc in call.readout]], numerics), ro.temperature,
+                               numerics)  # (k, V)
+        b = torch.tensor([b for b, _ in call.readout], device=model.device)
+        p = torch.tensor([p for _, p in call.readout], device=model.device)
+        k = p - torch.tensor([len(ro.prompts[i]) - 1 for i in b.tolist()], device=model.device)  # completion index
+        out = out.index_put((b, k), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])
+    return out
+
+
+def replay_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
+    """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients.
+
+    Returns (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged.
+    """
+    if ro.schedule.dtype != str(model.dtype):
+        raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
+    with torch.no_grad():
+        return _execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics).cpu()
+
+
+def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
+    """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
+    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
+    calls = []
+    for r in range(1, loops + 1):
+        rows = [(b, p) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions)) for p in range(len(pr) + len(c) - 1)]
+        readout = [(b, len(pr) - 1 + k) for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
+                   for k in range(len(e)) if e[k] == r]
+        calls.append(Call(r, rows, readout))
+    return calls
+
+
+def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
+    """One differentiable forward over whole sequences, every loop for every position, read out at the
+    recorded exit loops. Returns (B, N) log-probs with gradients (on the model's device)."""
+    for b, e in enumerate(ro.exit_loops):
+        if any(not 1 <= x <= model.config.total_ut_steps for x in e):
+            raise ValueError(f"sequence {b}: exit loops must be in 1..{model.config.total_ut_steps}")
+    return _execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+
+
+def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
+    """The hybrid: value of the replay, gradient of the teacher-forced forward. (B, N).
+
+    NOTE: `replay.detach() + (tf - tf.detach())`, in this order: tf - tf.detach() is exactly 0.0 in
+    every element, and x + 0.0 == x, so the value is the replay's bits. The other form,
+    `tf + (replay - tf).detach()`, rounds twice and is NOT bitwise equal to the replay.
+    """
+    replay = replay_logprobs(model, ro).to(model.device)
+    tf = teacher_forced_logprobs(model, ro, numerics)
+    return replay.detach() + (tf - tf.detach())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints (HF Ouro layout)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
+                          "pip install safetensors") from None
+    return st
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]):
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
+    st = _safetensors()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
+    cfg = model.config.to_hf_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
+    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> LoopedLM:
+    st = _safetensors()
+    path = Path(path)
+    cfg = Config.from_json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        tensors.update(st.load_file(str(path / f)))
+    model = LoopedLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
+    if missing or unexpected or misshapen:
+        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
+                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+                         f"  misshapen tensors: {misshapen}")
+    model.load_state_dict(tensors)
+    return model.to(dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
+
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
+
+    def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
+                              "pip install tokenizers") from None
+        self._tok = Tokenizer.from_file(str(path))
+        self.eos_id = eos_id
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
