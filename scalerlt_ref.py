@@ -546,16 +546,17 @@ class Schedule:
     numerics: str  # "fast" | "invariant"
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
+    kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
 
     def to_json(self) -> str:
         return json.dumps({"mode": self.mode, "numerics": self.numerics, "dtype": self.dtype, "loops": self.loops,
-                           "calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]})
+                           "kv": self.kv, "calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]})
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
         d = json.loads(text)
         calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
-        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"])
+        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], d.get("kv", "exact"))
 
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
@@ -601,6 +602,27 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     h = model.loop(x, seq, pos, cache, r, numerics)  # (n, C)
     cache.h[seq, pos] = h
     return h
+
+
+KV_MODES = ("exact", "last_exited")
+
+
+def serve_exit_kv(cache: LoopCache, rows: list[tuple[int, int]], loop: int) -> None:
+    """kv="last_exited" only: the rows (generated positions that exit at `loop`) stop for good and serve
+    their loop-`loop` K/V to every deeper loop, as engines that copy K/V on early exit do.
+
+    NOTE: this is a *different policy* from exact KV, where a deeper loop sees the real deeper K/V. The
+    copied slots count as computed (depth R), so no call ever runs these positions again.
+    """
+    if not rows:
+        return
+    seq = torch.tensor([b for b, _ in rows], device=cache.h.device)
+    pos = torch.tensor([p for _, p in rows], device=cache.h.device)
+    for r in range(loop, len(cache.k)):  # 0-based index r is loop r + 1
+        for layer in range(len(cache.k[r])):
+            cache.k[r][layer][seq, :, pos] = cache.k[loop - 1][layer][seq, :, pos]
+            cache.v[r][layer][seq, :, pos] = cache.v[loop - 1][layer][seq, :, pos]
+    cache.depth[seq, pos] = len(cache.k)
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "fast") -> torch.Tensor:
@@ -682,8 +704,10 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
         raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    if kv != "exact":
-        raise ValueError(f"kv must be 'exact', got {kv!r}")
+    if kv not in KV_MODES:
+        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    if kv == "last_exited" and mode != "deferred":
+        raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit); use mode='deferred'")
     if not 1 <= min_loops <= R:
         raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
     if max_new_tokens < 1:
@@ -713,11 +737,14 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     newest = [len(p) - 1 for p in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
 
+    prefill = True
     while active:
         gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # newest position's gate logits
         exit_at: dict[int, int] = {}
         for r in range(1, R + 1):
-            taking_part = [b for b in active if mode == "dense" or b not in exit_at]
+            # last_exited: prompt positions run every loop (prefill is dense); generated ones stop at exit.
+            runs_all = mode == "dense" or (kv == "last_exited" and prefill)
+            taking_part = [b for b in active if runs_all or b not in exit_at]
             if not taking_part:
                 break
             rows = [(b, int(p)) for b in taking_part
@@ -743,7 +770,10 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
                     completions[b].append(tok)
                     exits[b].append(r)
                     logprobs[b, k] = lp[tok].cpu()
+                if kv == "last_exited":
+                    serve_exit_kv(cache, [(b, p) for b, p in call.readout if p >= len(prompts[b])], r)
             calls.append(call)
+        prefill = False
         for b in list(active):
             k = len(completions[b])
             if k == N or (eos_id is not None and completions[b][-1] == eos_id):
@@ -756,7 +786,7 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     for b in range(B):
         mask[b, :len(completions[b])] = True
     return Rollout(prompts=[list(p) for p in prompts], completions=completions, exit_loops=exits,
-                   logprobs=logprobs, mask=mask, schedule=Schedule(calls, mode, numerics, str(model.dtype), R),
+                   logprobs=logprobs, mask=mask, schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
                    temperature=temperature, kv=kv)
 
 
@@ -765,16 +795,23 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
 # ---------------------------------------------------------------------------------------------------
 
 
-def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str) -> torch.Tensor:
+def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
+                      gates: dict | None = None) -> torch.Tensor:
     """Run `calls` over the rollout's tokens, teacher-forcing them; return (B, N) log-probs of the
-    recorded completion tokens, read out where the calls say (0 where mask is False)."""
+    recorded completion tokens, read out where the calls say (0 where mask is False). With a `gates`
+    dict, also collect {(b, p): [gate logit of each loop run]} for the completion-producing positions."""
     tokens = ro.tokens(model.device)  # (B, T)
     B, N = ro.mask.shape
     _check_ids(tokens, model.config, "rollout tokens")
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)
+    producing = {(b, len(pr) - 1 + k) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions)) for k in range(len(c))}
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)
+        if gates is not None:
+            idx = [i for i, rc in enumerate(call.rows) if rc in producing]
+            for i, gl in zip(idx, model.gate_logits(h[idx], numerics) if idx else []):
+                gates.setdefault(call.rows[i], []).append(gl)
         if not call.readout:
             continue
         index = {rc: i for i, rc in enumerate(call.rows)}
@@ -784,6 +821,8 @@ def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics:
         p = torch.tensor([p for _, p in call.readout], device=model.device)
         k = p - torch.tensor([len(ro.prompts[i]) - 1 for i in b.tolist()], device=model.device)  # completion index
         out = out.index_put((b, k), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])
+        if ro.kv == "last_exited":
+            serve_exit_kv(cache, [(b, p) for b, p in call.readout if p >= len(ro.prompts[b])], call.loop)
     return out
 
 
@@ -800,10 +839,13 @@ def replay_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
-    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
+    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided).
+    Under kv="last_exited" a generated position runs only up to its recorded exit loop (depth mask)."""
     calls = []
     for r in range(1, loops + 1):
-        rows = [(b, p) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions)) for p in range(len(pr) + len(c) - 1)]
+        rows = [(b, p) for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
+                for p in range(len(pr) + len(c) - 1)
+                if ro.kv == "exact" or p < len(pr) or e[p - len(pr) + 1] >= r]
         readout = [(b, len(pr) - 1 + k) for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
                    for k in range(len(e)) if e[k] == r]
         calls.append(Call(r, rows, readout))
@@ -937,3 +979,829 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------------
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """rewards (B,) float, B = prompts * group_size, groups contiguous -> advantages (B,) float32.
+
+    A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
+    not at all ("none", Dr. GRPO). std is the unbiased one, as in TRL.
+    """
+    r = rewards.float().view(-1, group_size)  # (P, G)
+    adv = r - r.mean(dim=1, keepdim=True)  # (P, G)
+    if scale_rewards == "group":
+        adv = adv / (r.std(dim=1, keepdim=True) + eps) if group_size > 1 else adv
+    elif scale_rewards == "batch":
+        adv = adv / (r.std() + eps) if r.numel() > 1 else adv
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    return adv.reshape(-1)
+
+
+def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
+              epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_agg: str = "token_mean",
+              ref_logp: torch.Tensor | None = None, beta: float = 0.0, max_new_tokens: int | None = None,
+              normaliser: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
+
+    Per token: ratio = exp(logp - logp_old); term = min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A),
+    minus beta * k3 KL to the reference when beta > 0. Aggregation over masked tokens:
+    - "token_mean" (DAPO): sum over all tokens / number of tokens;
+    - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
+    - "dr_grpo" (Dr. GRPO): sum / (B * max_new_tokens), a constant normaliser.
+    Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
+    higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
+    log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
+    `normaliser` overrides the token or sequence count (data parallel: the global count).
+    """
+    m = mask.float()
+    ratio = torch.exp(logp - logp_old)  # (B, N)
+    a = adv[:, None]  # (B, 1)
+    term = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * a)  # (B, N)
+    stats = {}
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
+        d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
+        kl = torch.exp(d) - d - 1
+        term = term - beta * kl
+        stats["kl"] = float((kl * m).sum() / m.sum().clamp_min(1))
+    per_token = -term  # we minimise
+    if loss_agg == "token_mean":
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
+    elif loss_agg == "seq_mean_token_mean":
+        seq = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
+        loss = seq.sum() / (normaliser if normaliser is not None else seq.numel())
+    elif loss_agg == "dr_grpo":
+        n = max_new_tokens if max_new_tokens is not None else mask.shape[1]
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * n)
+    else:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+    with torch.no_grad():
+        clipped = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))  # (B, N)
+        stats["clip_ratio"] = float((clipped.float() * m).sum() / m.sum().clamp_min(1))
+        stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
+        stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
+    return loss, stats
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0  # k3 KL to a frozen reference; 0 = off
+    scale_rewards: str = "group"
+    loss_agg: str = "token_mean"
+    mu: int = 1  # inner iterations per batch of rollouts
+    adv_eps: float = 1e-4
+    check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
+
+
+def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, g: GRPOConfig,
+                numerics: str = "fast", ref_model: LoopedLM | None = None,
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
+
+    Iteration 1: the learner's value is the sampler's recorded log-probs (exact: the weights are the
+    ones that sampled) with the teacher-forced gradient; with `check_replay` the replay is run anyway
+    and any token whose bits differ stops training. Iterations 2..mu: the hybrid, replay value.
+    """
+    adv = group_advantages(rewards, g.group_size, g.scale_rewards, g.adv_eps).to(model.device)  # (B,)
+    mask = ro.mask.to(model.device)
+    logp_old = ro.logprobs.to(model.device)
+    ref_logp = None
+    if g.beta > 0:
+        with torch.no_grad():
+            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)
+    normaliser = None
+    if all_reduce is not None:  # data parallel: normalise by global counts
+        count = mask.sum() if g.loss_agg == "token_mean" else torch.tensor(float(mask.shape[0]))
+        if g.loss_agg == "dr_grpo":
+            count = count * mask.shape[1]
+        normaliser = float(all_reduce(count.float().to(model.device)))
+    metrics: dict = {}
+    for it in range(g.mu):
+        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable
+        if it == 0:
+            value = logp_old
+            if g.check_replay:
+                replay = replay_logprobs(model, ro).to(model.device)
+                mismatched = int(((replay != logp_old) & mask).sum())
+                metrics["exact/mismatched_tokens"] = mismatched
+                metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
+                if mismatched:
+                    raise RuntimeError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
+                                       "the learner would be off-policy (is the device nondeterministic?)")
+            metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
+        else:
+            value = replay_logprobs(model, ro).to(model.device)
+        logp = value.detach() + (tf - tf.detach())  # NOTE: the hybrid: value bits from `value`, gradient from tf
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high,
+                                loss_agg=g.loss_agg, ref_logp=ref_logp, beta=g.beta, normaliser=normaliser)
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"GRPO loss is {float(loss)} at inner iteration {it + 1} "
+                                 f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if all_reduce is not None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = all_reduce(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
+        opt.step()
+        if it == 0:
+            metrics.update(stats)
+            metrics["loss"] = float(loss)
+            metrics["grad_norm"] = float(grad_norm)
+    r = rewards.float().view(-1, g.group_size)
+    metrics["reward"] = float(r.mean())
+    metrics["reward_std"] = float(r.std()) if r.numel() > 1 else 0.0
+    metrics["frac_reward_zero_std"] = float((r.std(dim=1) == 0).float().mean()) if g.group_size > 1 else 1.0
+    metrics["exit/mean_loops"] = float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum())))
+    metrics["completions/mean_length"] = float(ro.mask.sum(1).float().mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data and rewards
+# ---------------------------------------------------------------------------------------------------
+
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+"
+
+
+def _to_number(s: str) -> float | None:
+    s = s.replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def gsm8k_answer(text: str) -> float | None:
+    """The number after the last '####' in a GSM8K answer or completion, or None."""
+    import re
+    found = re.findall(r"####\s*(" + _NUMBER + ")", text)
+    return _to_number(found[-1]) if found else None
+
+
+def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
+    """1.0 if the completion's answer equals the reference's, else 0.0.
+
+    strict: the completion's last '#### number'; lenient: its last number of any kind. The reference
+    is a GSM8K answer ('... #### 18') or a bare number. Compared as numbers after removing ',' and '$',
+    so '18.00' equals '18' and '$1,000' equals '1000'.
+    """
+    import re
+    gold = gsm8k_answer(reference) if "####" in reference else _to_number(reference.strip())
+    if gold is None:
+        raise ValueError(f"reference has no number: {reference[-60:]!r}")
+    if mode == "strict":
+        got = gsm8k_answer(completion)
+    elif mode == "lenient":
+        nums = re.findall(_NUMBER, completion)
+        got = _to_number(nums[-1]) if nums else None
+    else:
+        raise ValueError(f"mode must be 'strict' or 'lenient', got {mode!r}")
+    return float(got is not None and abs(got - gold) < 1e-9 * max(1.0, abs(gold)))
+
+
+def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
+    """Read GSM8K JSONL ({"question", "answer": "... #### 18"}); a seeded random subset of N problems.
+
+    Returns dicts with "question", "answer", "index" (0-based line). Bad lines are an error naming the
+    file and the 1-based line.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            for key in ("question", "answer"):
+                if not isinstance(d, dict) or not isinstance(d.get(key), str):
+                    raise ValueError(f"{path}:{lineno}: missing string key {key!r}")
+            if gsm8k_answer(d["answer"]) is None:
+                raise ValueError(f"{path}:{lineno}: 'answer' has no '#### <number>' final answer")
+            rows.append({"question": d["question"], "answer": d["answer"], "index": len(rows)})
+    if not rows:
+        raise ValueError(f"{path}: the file has no problems")
+    if subset is not None:
+        if subset > len(rows):
+            raise ValueError(f"{path}: subset of {subset} asked for, the file has only {len(rows)} problems")
+        pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset].tolist()
+        rows = [rows[i] for i in pick]
+    return rows
+
+
+_NAMES = ["Ann", "Ben", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lee", "Max", "Ned",
+          "Oli", "Pam", "Rex", "Sam", "Tom", "Uma", "Val", "Wes", "Zoe", "Ada"]
+_THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups", "stamps", "rocks", "toys",
+           "hats"]
+
+
+def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
+    """n GSM8K-format word problems (addition and subtraction) with gold answers, from a seed.
+
+    Example: {"question": "Ann has 7 pens and gets 5 more. How many pens?",
+              "answer": "7+5=12\\n#### 12"}.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        name, thing = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))], \
+            _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
+        a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
+        if bool(torch.rand((), generator=gen) < 0.5):
+            q, expr, ans = f"{name} has {a} {thing} and gets {b} more. How many {thing}?", f"{a}+{b}", a + b
+        else:
+            a, b = max(a, b), min(a, b)
+            q, expr, ans = f"{name} has {a} {thing} and loses {b}. How many {thing}?", f"{a}-{b}", a - b
+        out.append({"question": q, "answer": f"{expr}={ans}\n#### {ans}", "index": i})
+    return out
+
+
+def format_prompt(question: str) -> str:
+    return f"Q: {question}\nA: "
+
+
+def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
+    """(prompt ids, gold completion ids ending in EOS) of a problem."""
+    return tok.encode(format_prompt(problem["question"])), tok.encode(problem["answer"]) + [tok.eos_id]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Warm start and evaluation
+# ---------------------------------------------------------------------------------------------------
+
+
+def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size: int = 32,
+                   lr: float = 3e-3, beta: float = 0.05, seed: int = 0, log: Callable[[str], None] = print) -> float:
+    """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
+    last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        pick = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
+        pairs = [encode_problem(tok, problems[i]) for i in pick]
+        T = max(len(p) + len(c) for p, c in pairs) - 1
+        inputs = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T) right-padded
+        targets = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros(batch_size, T, dtype=torch.bool)  # (B, T) completion tokens only
+        for b, (p, c) in enumerate(pairs):
+            seq = torch.tensor(p + c)
+            inputs[b, :len(seq) - 1], targets[b, :len(seq) - 1] = seq[:-1], seq[1:]
+            mask[b, len(p) - 1:len(seq) - 1] = True
+        out = model.loop_outputs(inputs.to(model.device))
+        loss = ouro_loss(out, targets.to(model.device), mask.to(model.device), beta)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps:
+            log(f"warm start {step + 1}/{steps}: Ouro loss {loss.item():.3f}")
+    return float(loss)
+
+
+@torch.no_grad()
+def evaluate(model: LoopedLM, tok, problems: list[dict], *, mode: str = "deferred", max_new_tokens: int = 16,
+             batch_size: int = 100, min_loops: int = 1) -> dict:
+    """Greedy held-out accuracy (strict scorer) and the histogram of exit loops over generated tokens."""
+    correct, hist = 0.0, [0] * model.config.total_ut_steps
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        ro = rollout(model, [encode_problem(tok, p)[0] for p in chunk], mode=mode, max_new_tokens=max_new_tokens,
+                     temperature=0.0, eos_id=tok.eos_id, min_loops=min_loops)
+        for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
+            correct += gsm8k_score(tok.decode(c), p["answer"])
+            for x in e:
+                hist[x - 1] += 1
+    return {"accuracy": correct / max(1, len(problems)), "exit_histogram": hist}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training loop, checkpoints with trainer state
+# ---------------------------------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
+    """The HF-layout model (for users) and trainer_state.pt (model, optimizer, RNG, step: for --resume),
+    each written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes
+    can never pair weights of one step with an optimizer of another."""
+    model.save_pretrained(out)
+    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "torch_rng": torch.get_rng_state(), "extra": extra}
+    _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
+
+
+def _fmt_time(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def train(args, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
+
+    `args` are the `train` command's flags. `on_start(model, tok)` runs after the warm start, before
+    the first GRPO step (the demo measures its "before" accuracy there)."""
+    import time
+    dist = _distributed_setup(args)
+    rank, world = dist["rank"], dist["world"]
+    say = log if rank == 0 else (lambda *_: None)
+    device = torch.device(args.device if args.device != "auto" else
+                          (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    out = Path(args.out) if args.out else None
+    g = GRPOConfig(group_size=args.group_size, lr=args.lr, epsilon_low=args.epsilon_low,
+                   epsilon_high=args.epsilon_high, beta=args.beta, scale_rewards=args.scale_rewards,
+                   loss_agg=args.loss_agg, mu=args.mu, max_grad_norm=args.max_grad_norm)
+    if args.model:
+        model = LoopedLM.from_pretrained(args.model, dtype=torch.float32, device="cpu")
+        tok_path = Path(args.model) / "tokenizer.json"
+        tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
+    else:
+        model = LoopedLM(Config.from_json(args.config), seed=args.seed)
+        tok = ByteTokenizer()
+    if tok.eos_id is None:
+        raise ValueError("the tokenizer has no EOS id (set eos_token_id in config.json)")
+    problems = (gsm8k_load(args.data, subset=args.subset, seed=args.seed) if args.data
+                else arithmetic_problems(args.subset or 2000, seed=args.seed))
+    limit = model.config.max_position_embeddings
+    for p in problems:
+        n = len(encode_problem(tok, p)[0]) + args.max_new_tokens
+        if n > limit:
+            where = f"{args.data}:{p['index'] + 1}" if args.data else f"built-in problem {p['index']}"
+            raise ValueError(f"{where}: prompt of {n - args.max_new_tokens} tokens + {args.max_new_tokens} new "
+                             f"exceeds the position limit max_position_embeddings={limit}")
+    start_step = 0
+    opt_state = None
+    if args.resume and out and (out / "trainer_state.pt").exists():
+        state = torch.load(out / "trainer_state.pt", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt_state, start_step = state["optimizer"], state["step"]
+        torch.set_rng_state(state["torch_rng"])
+        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
+    elif args.sft_steps and not args.model:
+        sft_warm_start(model, tok, problems, steps=args.sft_steps, seed=args.seed, log=say)
+    model = model.to(dtype=dtype, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    if on_start is not None:
+        on_start(model, tok)
+    ref = None
+    if g.beta > 0:
+        ref = LoopedLM(model.config).to(dtype=dtype, device=device)
+        ref.load_state_dict(model.state_dict())
+    P, G = args.prompts_per_step, g.group_size
+    if P % world:
+        raise ValueError(f"--prompts-per-step {P} must be divisible by the number of processes {world}")
+    metrics_path = out / "metrics.jsonl" if out else None
+    if out and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    t_run = time.time()
+    history = []
+    for step in range(start_step, args.steps):
+        t0 = time.time()
+        pick = torch.randint(len(problems), (P,), generator=torch.Generator().manual_seed(
+            sequence_seed(args.seed, -1 - step) % 2**62)).tolist()
+        mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
+        batch = [problems[pick[i]] for i in mine for _ in range(G)]
+        gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
+        ro = rollout(model, [encode_problem(tok, p)[0] for p in batch], mode=args.mode, numerics=args.numerics,
+                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                     eos_id=tok.eos_id, sequence_ids=gids, min_loops=args.min_loops)
+        rewards = torch.tensor([gsm8k_score(tok.decode(c), p["answer"]) for p, c in zip(batch, ro.completions)])
+        t1 = time.time()
+        try:
+            m = grpo_update(model, opt, ro, rewards, g, args.numerics, ref, dist["all_reduce"])
+        except NonFiniteError as e:
+            where = f"{out / 'trainer_state.pt'} (step {step})" if out and (out / "trainer_state.pt").exists() \
+                else "no checkpoint was written yet"
+            say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+                "Try a lower --lr, float32, or a smaller --max-grad-norm.")
+            raise
+        dt = time.time() - t0
+        if dist["all_reduce"] is not None:  # report global figures
+            for key in ("reward", "exit/mean_loops"):
+                m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=device))) / world
+        m.update(step=step + 1, accuracy=m["reward"], seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
+                 tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1))
+        history.append(m)
+        if rank == 0:
+            eta = (time.time() - t_run) / (step + 1 - start_step) * (args.steps - step - 1)
+            say(f"step {step + 1}/{args.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
+                f"{m['tokens_per_second']:.0f} tok/s  {dt:.1f}s/step  ETA {_fmt_time(eta)}")
+            if metrics_path:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+            if out and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+                save_trainer_state(out, model, opt, step + 1, {"args": vars(args)})
+    if dist["world"] > 1:
+        torch.distributed.destroy_process_group()
+    return {"model": model, "tokenizer": tok, "history": history}
+
+
+def _distributed_setup(args) -> dict:
+    """torchrun sets WORLD_SIZE/RANK; plain `python` stays single-process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
+    import torch.distributed as tdist
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    tdist.init_process_group(backend)
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        tdist.all_reduce(t)
+        return t
+    return {"rank": tdist.get_rank(), "world": world, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "all_reduce": all_reduce}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The oracle: rollout records and their verification
+# ---------------------------------------------------------------------------------------------------
+
+RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
+
+
+def rollout_records(ro: Rollout) -> list[dict]:
+    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
+    after that position's exit loop exit_loops[k] (1-based)."""
+    return [{"prompt_ids": p, "completion_ids": c, "exit_loops": e,
+             "logprobs": [float(x) for x in ro.logprobs[b, :len(c)]], "temperature": ro.temperature}
+            for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))]
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in rows)))
+
+
+def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
+    """Read and validate rollout records; any problem is a ValueError naming the file and 1-based line."""
+    path, R, V = Path(path), cfg.total_ut_steps, cfg.vocab_size
+    if not path.exists():
+        raise ValueError(f"{path}: no such file")
+    records = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a record must be a JSON object")
+        for key in RECORD_KEYS:
+            if not isinstance(d.get(key), list):
+                raise ValueError(f"{where}: missing list key {key!r}")
+        n = len(d["completion_ids"])
+        if not d["prompt_ids"]:
+            raise ValueError(f"{where}: 'prompt_ids' is empty")
+        if len(d["exit_loops"]) != n or len(d["logprobs"]) != n:
+            raise ValueError(f"{where}: lengths disagree: {n} completion_ids, {len(d['exit_loops'])} exit_loops, "
+                             f"{len(d['logprobs'])} logprobs")
+        for key in ("prompt_ids", "completion_ids"):
+            bad = [x for x in d[key] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
+            if bad:
+                raise ValueError(f"{where}: {key} has id {bad[0]!r} outside the vocabulary 0..{V - 1}")
+        bad = [x for x in d["exit_loops"] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= R]
+        if bad:
+            raise ValueError(f"{where}: exit loop {bad[0]!r} is outside 1..{R}")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in d["logprobs"]):
+            raise ValueError(f"{where}: 'logprobs' must be numbers")
+        t = d.get("temperature", 1.0)
+        if not isinstance(t, (int, float)) or t < 0:
+            raise ValueError(f"{where}: 'temperature' must be a number >= 0")
+        if len(d["prompt_ids"]) + n > cfg.max_position_embeddings:
+            raise ValueError(f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        records.append(dict(d, temperature=float(t), line=lineno))
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None,
+                  min_loops: int = 1) -> dict:
+    """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
+    recorded exit loop, and the exit rule at every producing position.
+
+    Returns {"logprobs": (n,) recomputed, "diff": (n,) |recorded - recomputed|, "violations": list of
+    {"token", "recorded", "rule", "margin"}}; `margin` is CDF - threshold at the loop where the two
+    decisions part (tiny |margin|: a near-threshold flip; large: a wrong depth).
+    """
+    R = model.config.total_ut_steps
+    tau = model.config.early_exit_threshold if threshold is None else threshold
+    n = len(rec["completion_ids"])
+    ro = Rollout(prompts=[rec["prompt_ids"]], completions=[rec["completion_ids"]], exit_loops=[rec["exit_loops"]],
+                 logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
+                 mask=torch.ones(1, n, dtype=torch.bool), schedule=None, temperature=rec["temperature"], kv=kv)
+    gates: dict = {}
+    with torch.no_grad():
+        lp = _execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", gates)[0].cpu().double()
+    diff = (lp - ro.logprobs[0]).abs()
+    violations = []
+    for k, e in enumerate(rec["exit_loops"]):
+        g = torch.stack(gates[(0, len(rec["prompt_ids"]) - 1 + k)])  # (loops run,)
+        rule = exit_loop(g, R, tau, min_loops)
+        if rule != e:
+            margins = exit_margin(torch.cat([g, g.new_zeros(R - g.numel())]), R, tau)  # (R,)
+            part = min(e, rule if rule is not None else R)  # the first loop where the decisions differ
+            violations.append({"token": k, "recorded": e, "rule": rule if rule is not None else f">{g.numel()}",
+                               "margin": float(margins[part - 1])})
+    return {"logprobs": lp, "diff": diff, "violations": violations}
+
+
+def cmd_verify(args) -> int:
+    """Exit 0: all within tolerance; 1: mismatches or exit-rule violations; 2: bad input."""
+    dtype = DTYPES[args.dtype]
+    try:
+        model = _load_model_arg(args, dtype)
+        records = read_records(args.rollouts, model.config)
+    except ValueError as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    summary = {"sequences": len(records), "tokens": 0, "max_abs_diff": 0.0, "mismatched_tokens": 0,
+               "exit_rule_violations": 0, "first_mismatch": None}
+    print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
+          f"({args.dtype}, kv={args.kv}, atol={args.atol})")
+    for i, rec in enumerate(records):
+        res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
+        bad = (res["diff"] > args.atol).nonzero()[:, 0].tolist()
+        summary["tokens"] += len(rec["completion_ids"])
+        summary["max_abs_diff"] = max(summary["max_abs_diff"], float(res["diff"].max()) if len(res["diff"]) else 0.0)
+        summary["mismatched_tokens"] += len(bad)
+        summary["exit_rule_violations"] += len(res["violations"])
+        if bad and summary["first_mismatch"] is None:
+            k = bad[0]
+            summary["first_mismatch"] = {"sequence": i, "token": k, "expected": float(res["logprobs"][k]),
+                                         "got": float(rec["logprobs"][k])}
+        status = "ok" if not bad and not res["violations"] else "MISMATCH"
+        print(f"  seq {i} (line {rec['line']}): {len(rec['completion_ids'])} tokens, max |diff| "
+              f"{float(res['diff'].max()) if len(res['diff']) else 0.0:.3e}, {len(bad)} over atol, "
+              f"{len(res['violations'])} exit-rule violations  {status}")
+        for k in bad[:3]:
+            print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res['logprobs'][k]):.6f}")
+        for v in res["violations"][:3]:
+            kind = "near-threshold flip" if abs(v["margin"]) < args.flip_margin else "wrong depth"
+            print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} "
+                  f"(CDF - threshold = {v['margin']:+.2e}: {kind})")
+    print(json.dumps(summary))
+    return 0 if summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0 else 1
+
+
+def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "model", None):
+        return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
+    return LoopedLM(Config.from_json(args.config), seed=args.seed).to(dtype=dtype, device=device)
+
+
+def cmd_rollout(args) -> int:
+    """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
+    model = _load_model_arg(args, DTYPES[args.dtype])
+    tok = None
+    prompts = []
+    for lineno, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{args.prompts}:{lineno}: not valid JSON ({e.msg})") from None
+        if isinstance(d, dict) and isinstance(d.get("prompt_ids"), list):
+            prompts.append(d["prompt_ids"])
+        elif isinstance(d, dict) and isinstance(d.get("prompt"), str):
+            if tok is None:
+                tok_path = Path(args.model or ".") / "tokenizer.json"
+                tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
+            prompts.append(tok.encode(d["prompt"]))
+        else:
+            raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
+    if not prompts:
+        raise ValueError(f"{args.prompts}: no prompts")
+    ro = rollout(model, prompts, mode=args.mode, numerics=args.numerics, max_new_tokens=args.max_new_tokens,
+                 temperature=args.temperature, exit_threshold=args.exit_threshold, min_loops=args.min_loops,
+                 seed=args.seed, eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
+                 kv=args.kv)
+    write_jsonl(args.out, rollout_records(ro))
+    n = int(ro.mask.sum())
+    print(json.dumps({"sequences": len(prompts), "tokens": n, "out": args.out,
+                      "mean_exit_loop": sum(map(sum, ro.exit_loops)) / max(1, n),
+                      "row_loops": ro.schedule.row_loops(), "calls": len(ro.schedule.calls)}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Commands
+# ---------------------------------------------------------------------------------------------------
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="GRPO with exact log-probs (torchrun for several processes)",
+                       description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
+                                   "or the built-in arithmetic task. Run under torchrun for data parallel.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", default="tiny_configs/tiny.json", help="model config JSON (random init + warm start)")
+    src.add_argument("--model", help="HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--data", help="GSM8K JSONL file (default: the built-in arithmetic task)")
+    p.add_argument("--subset", type=int, help="use a seeded random subset of this many problems")
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (global, all processes)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="completion length limit")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
+    p.add_argument("--mode", choices=("dense", "deferred"), default="deferred", help="rollout mode")
+    p.add_argument("--numerics", choices=NUMERICS, default="fast", help="row numerics (invariant: slow, batch-proof)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model dtype")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of init, data order and sampling")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    p.add_argument("--epsilon-low", type=float, default=0.2, help="lower clip range")
+    p.add_argument("--epsilon-high", type=float, default=0.2, help="upper clip range")
+    p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the starting model (0: off)")
+    p.add_argument("--scale-rewards", choices=("group", "batch", "none"), default="group", help="advantage scaling")
+    p.add_argument("--loss-agg", choices=LOSS_AGGREGATIONS, default="token_mean", help="loss aggregation")
+    p.add_argument("--mu", type=int, default=1, help="inner iterations per batch of rollouts")
+    p.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (Ouro objective) when starting from --config")
+    p.add_argument("--out", help="output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
+    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+
+
+def cmd_train(args) -> int:
+    try:
+        result = train(args)
+    except NonFiniteError:
+        return 1
+    h = result["history"]
+    print(json.dumps({"steps": len(h), "reward_last": h[-1]["reward"] if h else None,
+                      "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
+                      "out": args.out}))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
+    import time
+    t0 = time.time()
+    pool = arithmetic_problems(args.problems, seed=args.seed)
+    seen = {p["question"] for p in pool}
+    held_out = [p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1)
+                if p["question"] not in seen][:args.eval_problems]
+    before: dict = {}
+
+    def on_start(model, tok):
+        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens))
+        print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} "
+              f"({len(held_out)} problems)")
+
+    parser = build_parser()
+    targs = parser.parse_args(["train", "--config", args.config, "--steps", str(args.steps), "--sft-steps",
+                               str(args.sft_steps), "--prompts-per-step", str(args.prompts_per_step),
+                               "--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(args.seed),
+                               "--max-new-tokens", str(args.max_new_tokens), "--subset", str(args.problems),
+                               "--mode", "deferred", "--device", "cpu", "--save-every", str(10 ** 9)]
+                              + (["--out", args.out] if args.out else []))
+    result = train(targs, on_start=on_start)
+    model, tok, history = result["model"], result["tokenizer"], result["history"]
+    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens)
+    print(f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f}")
+    total = sum(after["exit_histogram"])
+    print("exit loops of generated tokens (held-out, after GRPO):")
+    for r, c in enumerate(after["exit_histogram"], 1):
+        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
+    if args.out:
+        _plot_history(history, Path(args.out) / "demo.png")
+    summary = {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+               "gain": round(after["accuracy"] - before["accuracy"], 4),
+               "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
+               "max_sampling_logp_difference": max((m.get("sampling/sampling_logp_difference/max", 0.0)
+                                                    for m in history), default=0.0),
+               "max_naive_logp_difference": max((m.get("sampling/naive_logp_difference/max", 0.0)
+                                                 for m in history), default=0.0),
+               "exit_histogram": after["exit_histogram"], "grpo_steps": len(history),
+               "seconds": round(time.time() - t0, 1)}
+    print(json.dumps(summary))
+    return 0
+
+
+def _plot_history(history: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [m["step"] for m in history]
+    ax.plot(steps, [m["reward"] for m in history], label="reward = sampled accuracy (T=1)")
+    ax.plot(steps, [m["exit/mean_loops"] / 4 for m in history], label="mean exit loop / 4", alpha=0.6)
+    ax.set_xlabel("GRPO step")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    print(f"wrote {path}")
+
+
+def _model_flags(p, dtype_default: str) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF Ouro checkpoint folder")
+    src.add_argument("--config", help="model config JSON (a random model from --seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random model (--config) and of sampling")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=dtype_default, help="model dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--kv", choices=KV_MODES, default="exact", help="KV semantics (last_exited: KV-copy engines)")
+    p.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
+    p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
+
+
+def build_parser():
+    import argparse
+    parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
+                       description="From nothing: warm start on the built-in arithmetic task, held-out greedy "
+                                   "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.")
+    d.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "demo.json"),
+                   help="model config")
+    d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
+    d.add_argument("--steps", type=int, default=40, help="GRPO steps")
+    d.add_argument("--prompts-per-step", type=int, default=16, help="prompts per GRPO step")
+    d.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    d.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+    d.add_argument("--max-new-tokens", type=int, default=16, help="completion length limit")
+    d.add_argument("--problems", type=int, default=2000, help="training problems")
+    d.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
+    d.add_argument("--seed", type=int, default=0, help="seed of everything")
+    d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
+    _train_parser(sub)
+    r = sub.add_parser("rollout", help="sample completions and write rollout records (JSONL)",
+                       description="Sample completions and write one record per sequence: prompt_ids, "
+                                   "completion_ids, exit_loops (1-based), logprobs, temperature.")
+    _model_flags(r, "float32")
+    r.add_argument("--prompts", required=True, help='JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line')
+    r.add_argument("--out", required=True, help="records JSONL to write")
+    r.add_argument("--mode", choices=("dense", "deferred"), default="deferred", help="rollout mode")
+    r.add_argument("--numerics", choices=NUMERICS, default="fast", help="row numerics")
+    r.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
+    r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
+    v = sub.add_parser("verify", help="check another implementation's rollout records against this reference",
+                       description="Recompute every recorded token's log-prob at its recorded exit loop "
+                                   "(teacher-forced) and check every exit loop against the exit rule. Exit "
+                                   "status 0: all within tolerance; 1: mismatches; 2: bad input.")
+    _model_flags(v, "float64")
+    v.add_argument("--rollouts", required=True, help="records JSONL (see README: Checking your engine)")
+    v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
+    v.add_argument("--flip-margin", type=float, default=1e-3,
+                   help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify}[args.command](args)
+    except ValueError as e:  # bad input: a clear message, no traceback
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
