@@ -472,22 +472,26 @@ def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: in
     """
     acc = acc_dtype(gate_logits.dtype)
     lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (r,)
-    tau = torch.tensor(threshold, dtype=acc)  # the threshold, rounded to the rule's dtype
     remaining = torch.tensor(1.0, dtype=acc)
     for j in range(1, lam.numel() + 1):
         remaining = remaining * (1 - lam[j - 1])
-        if j >= min_loops and (j == R or bool(1 - remaining >= tau)):
+        # NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
+        # threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
+        if j >= min_loops and (j == R or float(1 - remaining) >= threshold):
             return j
     return None
 
 
 def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
-    """CDF_r - threshold for r = 1..R (R values, CDF_R = 1): how far each loop was from exiting."""
+    """CDF_r - threshold for r = 1..R (R values, CDF_R = 1), in float64: how far each loop was from exiting."""
     acc = acc_dtype(gate_logits.dtype)
     lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (R,)
-    cdf = 1 - torch.cumprod(1 - lam, dim=0)  # (R,)
-    cdf[R - 1] = 1
-    return cdf - threshold
+    remaining = torch.ones((), dtype=acc)
+    cdf = []
+    for j in range(R):  # the same products, in the same order, as exit_loop
+        remaining = remaining * (1 - lam[j])
+        cdf.append(float(1 - remaining) if j < R - 1 else 1.0)
+    return torch.tensor(cdf, dtype=torch.float64) - threshold
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1082,6 +1086,10 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
     ones that sampled) with the teacher-forced gradient; with `check_replay` the replay is run anyway
     and any token whose bits differ stops training. Iterations 2..mu: the hybrid, replay value.
     """
+    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
+    if bad:
+        raise NonFiniteError(f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
+                             f"(non-finite parameters: {[n for n, p in model.named_parameters() if not p.isfinite().all()][:5]})")
     adv = group_advantages(rewards, g.group_size, g.scale_rewards, g.adv_eps).to(model.device)  # (B,)
     mask = ro.mask.to(model.device)
     logp_old = ro.logprobs.to(model.device)
@@ -1096,8 +1104,12 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
             count = count * mask.shape[1]
         normaliser = float(all_reduce(count.float().to(model.device)))
     metrics: dict = {}
+    clip_ratios = []
     for it in range(g.mu):
         tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable
+        if not bool(torch.isfinite(tf.detach()[mask]).all()):
+            raise NonFiniteError(f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
+                                 f"parameters: {[n for n, p in model.named_parameters() if not p.isfinite().all()][:5]})")
         if it == 0:
             value = logp_old
             if g.check_replay:
@@ -1115,7 +1127,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high,
                                 loss_agg=g.loss_agg, ref_logp=ref_logp, beta=g.beta, normaliser=normaliser)
         if not torch.isfinite(loss):
-            raise NonFiniteError(f"GRPO loss is {float(loss)} at inner iteration {it + 1} "
+            raise NonFiniteError(f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
                                  f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)")
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1127,10 +1139,10 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         if not torch.isfinite(grad_norm):
             raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
         opt.step()
-        if it == 0:
-            metrics.update(stats)
-            metrics["loss"] = float(loss)
-            metrics["grad_norm"] = float(grad_norm)
+        clip_ratios.append(stats["clip_ratio"])
+        if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
+            metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
+    metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
     r = rewards.float().view(-1, g.group_size)
     metrics["reward"] = float(r.mean())
     metrics["reward_std"] = float(r.std()) if r.numel() > 1 else 0.0
@@ -1244,6 +1256,14 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
     return out
 
 
+def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
+    """The training reward: GSM8K correctness ("strict"/"lenient"), or "digits", the share of digit
+    characters in the completion: a smoke-test reward that gives a gradient even to a random model."""
+    if kind == "digits":
+        return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+    return gsm8k_score(completion, reference, kind)
+
+
 def format_prompt(question: str) -> str:
     return f"Q: {question}\nA: "
 
@@ -1284,7 +1304,7 @@ def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, ba
         opt.step()
         if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps:
             log(f"warm start {step + 1}/{steps}: Ouro loss {loss.item():.3f}")
-    return float(loss)
+    return loss.item()
 
 
 @torch.no_grad()
@@ -1382,7 +1402,7 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
     if P % world:
         raise ValueError(f"--prompts-per-step {P} must be divisible by the number of processes {world}")
     metrics_path = out / "metrics.jsonl" if out else None
-    if out and rank == 0:
+    if out:
         out.mkdir(parents=True, exist_ok=True)
     t_run = time.time()
     history = []
@@ -1396,7 +1416,13 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
         ro = rollout(model, [encode_problem(tok, p)[0] for p in batch], mode=args.mode, numerics=args.numerics,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                      eos_id=tok.eos_id, sequence_ids=gids, min_loops=args.min_loops)
-        rewards = torch.tensor([gsm8k_score(tok.decode(c), p["answer"]) for p, c in zip(batch, ro.completions)])
+        texts = [tok.decode(c) for c in ro.completions]
+        rewards = torch.tensor([reward_fn(t, p["answer"], args.reward) for p, t in zip(batch, texts)])
+        accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
+        if args.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
+            with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
+                for gid, rec in zip(gids, rollout_records(ro)):
+                    f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
         t1 = time.time()
         try:
             m = grpo_update(model, opt, ro, rewards, g, args.numerics, ref, dist["all_reduce"])
@@ -1407,10 +1433,11 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
                 "Try a lower --lr, float32, or a smaller --max-grad-norm.")
             raise
         dt = time.time() - t0
+        m["accuracy"] = accuracy
         if dist["all_reduce"] is not None:  # report global figures
-            for key in ("reward", "exit/mean_loops"):
+            for key in ("reward", "accuracy", "exit/mean_loops"):
                 m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=device))) / world
-        m.update(step=step + 1, accuracy=m["reward"], seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
+        m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
                  tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1))
         history.append(m)
         if rank == 0:
@@ -1585,7 +1612,7 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if getattr(args, "model", None):
         return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
-    return LoopedLM(Config.from_json(args.config), seed=args.seed).to(dtype=dtype, device=device)
+    return LoopedLM(Config.from_json(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
 def cmd_rollout(args) -> int:
@@ -1624,6 +1651,144 @@ def cmd_rollout(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Benchmark
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, threshold: float) -> list[int]:
+    """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops
+    (greedy). The bench's baseline for the cache; the same policy as a dense rollout."""
+    ids = list(prompt)
+    R = model.config.total_ut_steps
+    for _ in range(max_new_tokens):
+        out = model.loop_outputs(torch.tensor([ids], device=model.device))
+        e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
+        ids.append(int(out.logits[e - 1, 0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def cmd_bench(args) -> int:
+    """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
+    removes, in bfloat16 and float32. Alternating repeats, medians."""
+    import statistics
+    import time
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = Config.from_json(args.config)
+    base = LoopedLM(cfg, seed=args.seed)
+    with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes most tokens exit early
+        base.model.early_exit_gate.bias.fill_(args.gate_bias)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 17, (8,), generator=gen)]
+    R, N = cfg.total_ut_steps, args.new_tokens
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        res = fn()
+        sync()
+        return time.perf_counter() - t, res
+
+    summary: dict = {}
+    rows = []
+    for dtype_name in ("bfloat16", "float32"):
+        model = LoopedLM(cfg).to(dtype=DTYPES[dtype_name], device=device)
+        model.load_state_dict(base.state_dict())
+        suffix = "" if dtype_name == "bfloat16" else "_fp32"
+        for B in (1, 8):
+            batch = prompts[:B]
+            run = {m: (lambda m=m: rollout(model, batch, mode=m, max_new_tokens=N, seed=args.seed))
+                   for m in ("dense", "deferred")}
+            run["deferred"]()  # warm-up
+            times = {"dense": [], "deferred": []}
+            for _ in range(args.repeats):  # alternate, so drift hits both alike
+                for m in ("dense", "deferred"):
+                    dt, ro = timed(run[m])
+                    times[m].append(dt)
+                    if m == "dense":
+                        ro_dense = ro
+                    else:
+                        ro_def = ro
+            tokens = int(ro_def.mask.sum())
+            med = {m: statistics.median(v) for m, v in times.items()}
+            speedup = med["dense"] / med["deferred"]
+            ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
+            mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
+            summary[f"speedup_b{B}{suffix}"] = round(speedup, 3)
+            summary[f"ideal_b{B}{suffix}"] = round(ideal, 3)
+            rows.append((dtype_name, f"rollout b={B}", f"dense {tokens / med['dense']:.1f} tok/s, deferred "
+                         f"{tokens / med['deferred']:.1f} tok/s: x{speedup:.2f} (ideal x{ideal:.2f}, "
+                         f"{100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops "
+                         f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}"))
+        # Replay against rollout (deferred, batch 8).
+        batch = prompts
+        rt, rp = [], []
+        for _ in range(args.repeats):
+            dt, ro = timed(lambda: rollout(model, batch, mode="deferred", max_new_tokens=N, seed=args.seed))
+            rt.append(dt)
+            dt, replay = timed(lambda: replay_logprobs(model, ro))
+            rp.append(dt)
+        ratio = statistics.median(rp) / statistics.median(rt)
+        summary[f"replay_over_rollout{suffix}"] = round(ratio, 3)
+        rows.append((dtype_name, "replay / rollout", f"{ratio:.3f} (replay equals the rollout bitwise: "
+                     f"{torch.equal(replay, ro.logprobs)})"))
+        # The learner: teacher-forced forward + backward, and a whole GRPO step split in three.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        tokens = int(ro.mask.sum())
+        fb = []
+        for _ in range(args.repeats):
+            model.zero_grad()
+            dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
+            fb.append(dt)
+        t_opt, _ = timed(opt.step)
+        t_learn, _ = timed(lambda: grpo_update(model, opt, ro, torch.arange(len(batch), dtype=torch.float32) % 2,
+                                               GRPOConfig(group_size=2, check_replay=True)))
+        model.load_state_dict(base.state_dict())  # undo the updates: later figures use the same weights
+        rows.append((dtype_name, "learner", f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} "
+                     f"ms/token; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
+                     f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"))
+        # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
+        with torch.no_grad():
+            naive = teacher_forced_logprobs(model, ro)
+            hybrid = learner_logprobs(model, ro)
+        m = ro.mask.to(device)
+        d = (naive - ro.logprobs.to(device)).abs()[m]
+        clipped = ((torch.exp(naive - ro.logprobs.to(device)) - 1).abs() > 0.2)[m].float().mean()
+        dh = (hybrid - ro.logprobs.to(device)).abs()[m]
+        summary[f"naive_max_abs_diff{suffix}"] = float(d.max())
+        rows.append((dtype_name, "naive learner vs sampler", f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
+                     f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"))
+        # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1).
+        n_cache = args.cache_tokens
+        t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompts[0], n_cache, cfg.early_exit_threshold))
+        t_cached, ro_c = timed(lambda: rollout(model, prompts[:1], mode="dense", max_new_tokens=n_cache,
+                                               temperature=0.0))
+        summary[f"cache_speedup{suffix}"] = round(t_rec / t_cached, 2)
+        rows.append((dtype_name, f"KV cache, {n_cache} new", f"recompute {t_rec:.2f}s, cached dense {t_cached:.2f}s: "
+                     f"x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}"))
+    summary["peak_memory_mb"] = round(_peak_memory_mb(device), 1)
+    print(f"bench: {args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), {device}, "
+          f"{torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, gate bias {args.gate_bias}")
+    for dt_name, what, text in rows:
+        print(f"  {dt_name:<9} {what:<26} {text}")
+    print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
+    print(json.dumps(summary))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------------------------------
 
@@ -1657,6 +1822,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--loss-agg", choices=LOSS_AGGREGATIONS, default="token_mean", help="loss aggregation")
     p.add_argument("--mu", type=int, default=1, help="inner iterations per batch of rollouts")
     p.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (Ouro objective) when starting from --config")
+    p.add_argument("--reward", choices=("strict", "lenient", "digits"), default="strict",
+                   help="reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)")
+    p.add_argument("--log-rollouts", action="store_true", help="append every rollout record to OUT/rollouts.rankN.jsonl")
     p.add_argument("--out", help="output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
@@ -1693,6 +1861,7 @@ def cmd_demo(args) -> int:
     targs = parser.parse_args(["train", "--config", args.config, "--steps", str(args.steps), "--sft-steps",
                                str(args.sft_steps), "--prompts-per-step", str(args.prompts_per_step),
                                "--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(args.seed),
+                               "--mu", str(args.mu),
                                "--max-new-tokens", str(args.max_new_tokens), "--subset", str(args.problems),
                                "--mode", "deferred", "--device", "cpu", "--save-every", str(10 ** 9)]
                               + (["--out", args.out] if args.out else []))
@@ -1743,7 +1912,7 @@ def _model_flags(p, dtype_default: str) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF Ouro checkpoint folder")
     src.add_argument("--config", help="model config JSON (a random model from --seed)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random model (--config) and of sampling")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the random model's weights (with --config)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=dtype_default, help="model dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--kv", choices=KV_MODES, default="exact", help="KV semantics (last_exited: KV-copy engines)")
@@ -1761,10 +1930,11 @@ def build_parser():
     d.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "demo.json"),
                    help="model config")
     d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
-    d.add_argument("--steps", type=int, default=40, help="GRPO steps")
+    d.add_argument("--steps", type=int, default=60, help="GRPO steps")
     d.add_argument("--prompts-per-step", type=int, default=16, help="prompts per GRPO step")
     d.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    d.add_argument("--lr", type=float, default=1e-3, help="GRPO learning rate")
+    d.add_argument("--lr", type=float, default=3e-4, help="GRPO learning rate")
+    d.add_argument("--mu", type=int, default=1, help="GRPO inner iterations per batch of rollouts")
     d.add_argument("--max-new-tokens", type=int, default=16, help="completion length limit")
     d.add_argument("--problems", type=int, default=2000, help="training problems")
     d.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
@@ -1782,6 +1952,7 @@ def build_parser():
     r.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (sequence i draws from seed and i)")
     v = sub.add_parser("verify", help="check another implementation's rollout records against this reference",
                        description="Recompute every recorded token's log-prob at its recorded exit loop "
                                    "(teacher-forced) and check every exit loop against the exit rule. Exit "
@@ -1791,13 +1962,25 @@ def build_parser():
     v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
     v.add_argument("--flip-margin", type=float, default=1e-3,
                    help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip")
+    bp = sub.add_parser("bench", help="dense vs deferred throughput, replay, learner and cache costs",
+                        description="Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
+                                    "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
+                                    "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.")
+    bp.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "bench.json"), help="model config")
+    bp.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
+    bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
+    bp.add_argument("--repeats", type=int, default=3, help="alternating repeats (medians are reported)")
+    bp.add_argument("--gate-bias", type=float, default=1.0, help="exit-gate bias set on the random model")
+    bp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify}[args.command](args)
+        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
+                "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"error: {e}", file=__import__("sys").stderr)
         return 2

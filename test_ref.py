@@ -1,0 +1,986 @@
+"""Property tests for scalerlt_ref.py: the looped model and its rollouts (SPEC.md §2-5).
+
+What is proved here, on tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops):
+- the model: `loop_outputs` equals a slow per-position twin written in this file from SPEC §2 alone;
+  HF-layout checkpoints round-trip exactly, load sharded, and bad ones are refused naming the tensors;
+  configs are validated naming the key; the exit rule is SPEC §3's formula, monotone in the threshold,
+  respects `min_loops` and stays undecided until it decides;
+- the rollouts: replay reproduces a rollout's log-probs bit for bit (dense and deferred, fp32 and
+  bf16); under invariant numerics dense, deferred and teacher-forced agree bit for bit; the hybrid
+  learner has the replay's value and the teacher-forced gradient bit for bit; under fast numerics
+  dense, deferred and teacher-forced agree to rounding, and float64 rollouts agree with a from-scratch
+  recompute by the twin; tokens are drawn from the policy; deferral never does more work than dense
+  and a lone sequence's step makes e_new calls; a sequence does not depend on its batch; schedules
+  survive JSON; EOS ends a sequence.
+
+Equality strength: `torch.equal` where the same operations run on the same bits; explicit tolerances
+(the max difference printed on failure) where the operations differ.
+
+Run: `python -m pytest -q test_ref.py` (CI profile: derandomized, no example database).
+`HYPOTHESIS_PROFILE=dev python -m pytest -q test_ref.py` draws more, random examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import scalerlt_ref as S
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=15,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> settings:
+    """`n` examples under the CI profile, scaled up with the loaded profile's budget (dev draws more)."""
+    return settings(max_examples=max(1, round(n * settings.default.max_examples / 15)))
+
+
+HERE = Path(__file__).resolve().parent
+TINY = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, total_ut_steps=2, max_position_embeddings=64, initializer_range=0.5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny shapes gain nothing from intra-op threads, and when another process shares the 2 cores
+    # OpenMP's spin-waiting made these rollouts ~100x slower (measured). Restored afterwards.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------------------
+
+# NOTE: these random models are chaotic: at initializer_range 1.0 a one-ulp difference grows ~1e5-fold
+# over 4 loops x 2 layers (measured: float32 dense vs deferred up to 1e-4, float64 fast vs invariant up
+# to 6e-12; at 0.4, float32 teacher-forced vs dense up to 1e-5). Bitwise claims don't care, so they draw
+# 0.3-1.0 (varied exits); tolerance claims draw 0.1-0.3, where exits still vary and rounding stays well
+# below the tolerances (measured: dense vs deferred <= 1e-6, teacher-forced vs dense <= 5e-6).
+BITWISE_INIT, TOLERANCE_INIT = (0.3, 1.0), (0.1, 0.3)
+
+
+def between(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """lo..hi, drawn about uniformly (st.integers favours the ends, which made most rollouts 1 token long)."""
+    return st.sampled_from(range(lo, hi + 1))
+
+
+@st.composite
+def configs(draw, init: tuple[float, float] = BITWISE_INIT) -> S.Config:
+    """Tiny configs: width 16/32, 2 or 4 heads, kv heads dividing them (GQA and MHA), 1-2 layers."""
+    H = draw(st.sampled_from([2, 4]))
+    G = draw(st.sampled_from([g for g in (1, 2, 4) if H % g == 0]))
+    return S.Config(
+        vocab_size=draw(st.integers(40, 300)),
+        hidden_size=draw(st.sampled_from([16, 32])),
+        intermediate_size=draw(st.sampled_from([16, 24, 48])),
+        num_hidden_layers=draw(between(1, 2)),
+        num_attention_heads=H,
+        num_key_value_heads=G,
+        head_dim=draw(st.sampled_from([0, 0, 4, 8])),  # 0: hidden_size // heads; else q/o are not square
+        total_ut_steps=draw(between(1, 4)),
+        rope_theta=draw(st.sampled_from([10000.0, 500.0, 1e6])),
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        max_position_embeddings=64,
+        initializer_range=draw(st.floats(*init)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One drawn rollout: a tiny model (config + init seed) and the rollout's arguments."""
+
+    cfg: S.Config
+    model_seed: int
+    prompts: list
+    threshold: float
+    min_loops: int
+    seed: int
+    max_new_tokens: int
+    temperature: float = 1.0
+
+    def model(self, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
+        return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype)
+
+    def rollout(self, model: S.LoopedLM, **kw) -> S.Rollout:
+        args = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    exit_threshold=self.threshold, min_loops=self.min_loops, seed=self.seed)
+        return S.rollout(model, self.prompts, **(args | kw))
+
+
+@st.composite
+def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures=(1.0,)) -> Case:
+    """Tiny models with prompts of mixed lengths (1-5 tokens) and thresholds that give varied exits."""
+    cfg = draw(configs(init))
+    B = draw(between(*batch))
+    token = st.integers(0, cfg.vocab_size - 1)
+    prompts = [[draw(token) for _ in range(draw(between(1, 5)))] for _ in range(B)]  # mixed lengths
+    return Case(cfg=cfg, model_seed=draw(st.integers(0, 2**16)), prompts=prompts,
+                threshold=draw(st.floats(0.3, 0.95)),
+                min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
+                seed=draw(st.integers(0, 2**16)), max_new_tokens=draw(between(*new_tokens)),
+                temperature=draw(st.sampled_from(temperatures)))
+
+
+# Tests about deferral draw at least 2 new tokens: a 1-token rollout is all prefill, nothing to defer.
+modes = st.sampled_from(["dense", "deferred"])
+dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The slow twin: SPEC §2 spelled out per position and per head, from the checkpoint tensors alone
+# ---------------------------------------------------------------------------------------------------
+
+
+def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """idx (B, T) -> per-loop logits (R, B, T, V) and gate logits (R, B, T), in float64.
+
+    Independent of the module's code paths: plain loops over sequences, positions and heads, reading
+    the parameters by their HF names. Per loop, per layer (sandwich RMSNorm), then the final norm,
+    whose output is both the loop's readout and the next loop's input. Loop r attends to loop r's
+    keys of earlier positions (every loop has its own K/V).
+    """
+    cfg = model.config
+    sd = {k: v.detach().to(torch.float64) for k, v in model.state_dict().items()}
+    B, T = idx.shape
+    H, G, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    R, L, eps = cfg.total_ut_steps, cfg.num_hidden_layers, cfg.rms_norm_eps
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+
+    def rms(x, w):  # x (C,)
+        return w * (x / torch.sqrt((x * x).mean() + eps))
+
+    def rope(x, t):  # x (D,) at position t: NeoX split-half, pairs (i, i + D/2)
+        c, s = torch.cos(t * inv_freq), torch.sin(t * inv_freq)
+        x1, x2 = x[: D // 2], x[D // 2:]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s])
+
+    logits = torch.zeros(R, B, T, cfg.vocab_size, dtype=torch.float64)
+    gates = torch.zeros(R, B, T, dtype=torch.float64)
+    for b in range(B):
+        h = [sd["model.embed_tokens.weight"][int(idx[b, t])] for t in range(T)]  # T x (C,)
+        for r in range(R):
+            for i in range(L):
+                pre = f"model.layers.{i}."
+                w = {k[len(pre):].removesuffix(".weight"): v for k, v in sd.items() if k.startswith(pre)}
+                a = [rms(h[t], w["input_layernorm"]) for t in range(T)]
+                Wk, Wv = w["self_attn.k_proj"], w["self_attn.v_proj"]  # (G*D, C)
+                ks = [[rope(Wk[g * D:(g + 1) * D] @ a[t], t) for g in range(G)] for t in range(T)]
+                vs = [[Wv[g * D:(g + 1) * D] @ a[t] for g in range(G)] for t in range(T)]
+                new = []
+                for t in range(T):
+                    heads = []
+                    for hh in range(H):
+                        g = hh // (H // G)  # GQA: query head hh reads kv head g
+                        q = rope(w["self_attn.q_proj"][hh * D:(hh + 1) * D] @ a[t], t)
+                        scores = torch.stack([q @ ks[s][g] for s in range(t + 1)]) * D ** -0.5  # causal
+                        e = torch.exp(scores - scores.max())
+                        p = e / e.sum()
+                        heads.append(sum(p[s] * vs[s][g] for s in range(t + 1)))
+                    x = h[t] + rms(w["self_attn.o_proj"] @ torch.cat(heads), w["input_layernorm_2"])
+                    m = rms(x, w["post_attention_layernorm"])
+                    gate = w["mlp.gate_proj"] @ m
+                    y = w["mlp.down_proj"] @ (gate / (1 + torch.exp(-gate)) * (w["mlp.up_proj"] @ m))  # silu
+                    new.append(x + rms(y, w["post_attention_layernorm_2"]))
+                h = new
+            h = [rms(x, sd["model.norm.weight"]) for x in h]  # inside the loop: feeds loop r + 1
+            for t in range(T):
+                logits[r, b, t] = sd["lm_head.weight"] @ h[t]
+                gates[r, b, t] = (sd["model.early_exit_gate.weight"][0] @ h[t]
+                                  + sd["model.early_exit_gate.bias"][0])
+    return logits, gates
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------------
+
+
+@examples(20)
+@given(cfg=configs(), model_seed=st.integers(0, 2**16), B=between(1, 3), T=between(1, 6),
+       numerics=st.sampled_from(S.NUMERICS), data=st.data())
+def test_loop_outputs_match_slow_twin(cfg, model_seed, B, T, numerics, data):
+    """The batched model must compute SPEC §2 exactly; the per-position twin is the definition."""
+    model = S.LoopedLM(cfg, seed=model_seed).double()
+    row = st.lists(st.integers(0, cfg.vocab_size - 1), min_size=T, max_size=T)
+    idx = torch.tensor(data.draw(st.lists(row, min_size=B, max_size=B)))  # (B, T)
+    out = model.loop_outputs(idx, numerics)
+    logits, gates = slow_loop_outputs(model, idx)
+    assert out.logits.shape == logits.shape and out.gate_logits.shape == gates.shape
+    d = max(maxdiff(out.logits, logits), maxdiff(out.gate_logits, gates))
+    assert d <= 1e-10, f"loop_outputs vs slow twin: max |diff| = {d:.3e}"
+
+
+def _full_precision_model(cfg: S.Config, seed: int, dtype: torch.dtype) -> S.LoopedLM:
+    """A model whose weights use every bit of `dtype` (the init is float32: a cast alone would not)."""
+    model = S.LoopedLM(cfg, seed=seed).to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((torch.randn(p.shape, generator=gen, dtype=torch.float64) * 1e-3).to(dtype))
+    return model
+
+
+@examples(10)
+@given(cfg=configs(), model_seed=st.integers(0, 2**16), dtype=dtypes)
+def test_checkpoint_round_trip_is_exact(tmp_path_factory, cfg, model_seed, dtype):
+    """What save_pretrained writes, from_pretrained must read back bit for bit, config included."""
+    model = _full_precision_model(cfg, model_seed, dtype)
+    path = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(path)
+    loaded = S.LoopedLM.from_pretrained(path, dtype=dtype)
+    assert loaded.config == model.config
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    idx = torch.arange(5)[None] % cfg.vocab_size  # (1, 5)
+    out_a, out_b = model.loop_outputs(idx), loaded.loop_outputs(idx)
+    assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.gate_logits, out_b.gate_logits)
+
+
+@pytest.mark.xfail(strict=True, reason="module bug: load_checkpoint loads into a float32 model, then casts, "
+                   "so a float64 checkpoint loses its low bits even with dtype=torch.float64")
+def test_float64_checkpoint_round_trip_is_exact(tmp_path):
+    """The float64 oracle runs need float64 weights back bit for bit, not rounded through float32."""
+    model = _full_precision_model(S.Config(**TINY), 1, torch.float64)
+    model.save_pretrained(tmp_path)
+    loaded = S.LoopedLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded[k], v), f"{k}: max |diff| = {maxdiff(loaded[k], v):.3e}"
+
+
+def _write_hf_checkpoint(path: Path, cfg: S.Config, files: dict[str, dict[str, torch.Tensor]]):
+    """An HF-style folder written by hand: config.json, the safetensors files, an index if sharded."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    for name, tensors in files.items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / name))
+    if len(files) > 1:
+        weight_map = {k: name for name, tensors in files.items() for k in tensors}
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_bad_checkpoint_is_refused_naming_tensors(tmp_path):
+    """A checkpoint that does not match its config must fail loudly, listing every culprit."""
+    cfg = S.Config(**TINY)
+    tensors = dict(S.LoopedLM(cfg).state_dict())
+    missing, extra = "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_norm.weight"
+    misshapen = "lm_head.weight"
+    del tensors[missing]
+    tensors[extra] = torch.ones(cfg.head_dim)
+    tensors[misshapen] = torch.zeros(cfg.vocab_size + 1, cfg.hidden_size)
+    _write_hf_checkpoint(tmp_path, cfg, {"model.safetensors": tensors})
+    with pytest.raises(ValueError) as err:
+        S.LoopedLM.from_pretrained(tmp_path)
+    for name in (missing, extra, misshapen):
+        assert name in str(err.value), f"{name} not named in: {err.value}"
+
+
+def test_sharded_checkpoint_loads_exactly(tmp_path):
+    """Real Ouro checkpoints come sharded with an index; the shards must assemble into the same model."""
+    cfg = S.Config(**TINY)
+    model = S.LoopedLM(cfg, seed=3)
+    sd = model.state_dict()
+    keys = sorted(sd)
+    _write_hf_checkpoint(tmp_path, cfg, {"model-00001-of-00002.safetensors": {k: sd[k] for k in keys[::2]},
+                                         "model-00002-of-00002.safetensors": {k: sd[k] for k in keys[1::2]}})
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = S.LoopedLM.from_pretrained(tmp_path)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    idx = torch.tensor([[1, 2, 3, 4]])  # (1, 4)
+    assert torch.equal(loaded.loop_outputs(idx).logits, model.loop_outputs(idx).logits)
+
+
+# Known fields, and the two keys that mark a dict as an HF config.json (whose extra keys only warn).
+NOT_UNKNOWN = {f.name for f in dataclasses.fields(S.Config)} | {"model_type", "architectures"}
+
+
+@examples(10)
+@given(key=st.from_regex(r"[a-z][a-z_]{2,15}", fullmatch=True).filter(lambda k: k not in NOT_UNKNOWN))
+def test_unknown_config_key_is_named(key):
+    """A typo in a tiny config must not be silently ignored (it would change the model unnoticed)."""
+    with pytest.raises(ValueError, match=re.escape(repr(key))):
+        S.Config.from_dict(TINY | {key: 1}, "tiny.json")
+
+
+@examples(15)
+@given(bad=st.one_of(
+    st.tuples(st.integers(8, 64), st.integers(2, 8)).filter(lambda t: t[0] % t[1]).map(
+        lambda t: ("num_attention_heads", dict(hidden_size=t[0], num_attention_heads=t[1],
+                                               num_key_value_heads=1))),
+    st.tuples(st.integers(1, 8), st.integers(1, 8)).filter(lambda t: t[0] % t[1]).map(
+        lambda t: ("num_key_value_heads", dict(hidden_size=16 * t[0], num_attention_heads=t[0],
+                                               num_key_value_heads=t[1]))),
+    st.integers(-3, 0).map(lambda r: ("total_ut_steps", dict(total_ut_steps=r))),
+))
+def test_impossible_config_is_refused_naming_key(bad):
+    """Impossible shapes must fail at load time, naming the key to fix, not deep inside a forward."""
+    key, override = bad
+    with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
+        S.Config.from_dict(TINY | override, "tiny.json")
+
+
+def test_every_tiny_config_loads():
+    """The shipped presets must stay loadable (strict loader) and build a working model."""
+    paths = sorted((HERE / "tiny_configs").glob("*.json"))
+    assert paths, "no tiny_configs/*.json"
+    for path in paths:
+        cfg = S.Config.from_json(path)
+        for k, v in json.loads(path.read_text()).items():
+            assert getattr(cfg, k) == v, (path.name, k)
+        out = S.LoopedLM(cfg).loop_outputs(torch.tensor([[0, 1]]))
+        assert out.logits.shape == (cfg.total_ut_steps, 1, 2, cfg.vocab_size), path.name
+
+
+# --- the exit rule ---------------------------------------------------------------------------------
+
+# Mostly moderate gate logits (CDFs spread over (0, 1)), some saturated ones (sigmoid rounds to 0 or 1).
+gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)),
+                        min_size=1, max_size=6)
+float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
+
+
+@examples(25)
+@given(gates=gate_vectors, t=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=2), dtype=float_dtypes,
+       data=st.data())
+def test_exit_is_monotone_in_threshold(gates, t, dtype, data):
+    """A stricter threshold can only make a token think longer; otherwise the threshold is no dial."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    lo, hi = sorted(t)
+    e_lo, e_hi = S.exit_loop(g, R, lo, min_loops), S.exit_loop(g, R, hi, min_loops)
+    assert 1 <= e_lo <= e_hi <= R, (e_lo, e_hi)
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.floats(0.0, 1.0), dtype=float_dtypes, data=st.data())
+def test_exit_respects_min_loops(gates, threshold, dtype, data):
+    """min_loops is a floor on compute; an exit before it would read out an unfinished token."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    e = S.exit_loop(torch.tensor(gates, dtype=dtype), R, threshold, min_loops)
+    assert min_loops <= e <= R
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.floats(1.0 + 2**-20, 4.0), dtype=float_dtypes)
+def test_threshold_above_one_runs_all_loops(gates, threshold, dtype):
+    """CDF_r <= 1 for r < R, so a threshold above 1 means "no early exit" (HF's setting)."""
+    assert S.exit_loop(torch.tensor(gates, dtype=dtype), len(gates), threshold) == len(gates)
+
+
+def test_threshold_just_above_one_runs_all_loops():
+    """Regression for the rounding window (1, 1 + 2**-24]: still "above 1", so still no early exit."""
+    assert S.exit_loop(torch.tensor([30.0, 0.0, 0.0]), 3, 1.0 + 1e-9) == 3
+
+
+@examples(25)
+@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
+def test_exit_rule_is_the_spec_formula(gates, dtype, data):
+    """Engines are judged by this rule, so it must be SPEC §3's: first r >= min_loops with CDF_r >= tau."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    lam = [1 / (1 + math.exp(-float(x))) for x in g]  # float64, from the gates as the model holds them
+    cdf = [1 - math.prod(1 - x for x in lam[:r]) for r in range(1, R)]  # CDF_1 .. CDF_{R-1}; CDF_R = 1
+    near_a_cdf = st.sampled_from(cdf or [0.5]).flatmap(lambda c: st.floats(c - 0.05, c + 0.05))
+    threshold = data.draw(st.one_of(st.floats(0.0, 1.2), near_a_cdf))  # near a CDF is where rules differ
+
+    def rule(t):
+        return next((r for r in range(min_loops, R) if cdf[r - 1] >= t), R)
+
+    # Tolerance: the module decides in float32 (float64 for float64 gates), so only a threshold clear of
+    # every CDF by 1e-5 has one right answer at both precisions.
+    expected = rule(threshold - 1e-5)
+    assume(expected == rule(threshold + 1e-5))
+    assert S.exit_loop(g, R, threshold, min_loops) == expected, (cdf, threshold, min_loops)
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.floats(0.0, 1.2), dtype=float_dtypes, data=st.data())
+def test_exit_is_undecided_until_it_is_decided(gates, threshold, dtype, data):
+    """The rollout asks after every loop; prefixes before the exit must say None, never a wrong loop."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    e = S.exit_loop(g, R, threshold, min_loops)
+    for r in range(1, R + 1):
+        assert S.exit_loop(g[:r], R, threshold, min_loops) == (None if r < e else e), (r, e)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rollouts, replay and learner log-probs
+# ---------------------------------------------------------------------------------------------------
+
+
+@examples(25)
+@given(case=cases(), mode=modes, dtype=dtypes)
+def test_replay_is_bitwise(case, mode, dtype):
+    """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics="fast")
+    replay = S.replay_logprobs(model, ro)
+    assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
+    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
+
+
+@examples(25)
+@given(case=cases(), dtype=dtypes)
+def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
+    """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits."""
+    model = case.model(dtype)
+    dense = case.rollout(model, mode="dense", numerics="invariant")
+    deferred = case.rollout(model, mode="deferred", numerics="invariant")
+    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
+    assert torch.equal(dense.mask, deferred.mask)
+    d = maxdiff(dense.logprobs, deferred.logprobs)
+    assert torch.equal(dense.logprobs, deferred.logprobs), f"dense vs deferred: max |diff| = {d:.3e}"
+    tf = S.teacher_forced_logprobs(model, dense, numerics="invariant").detach()
+    assert not bool(tf[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
+    assert torch.equal(tf, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tf, dense.logprobs):.3e}"
+
+
+def _grads(model: S.LoopedLM, logp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict:
+    model.zero_grad(set_to_none=True)
+    (weights * logp * mask).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@examples(25)
+@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
+def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
+    """The learner must be exactly on-policy in value and exactly the dense gradient, both at once."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics="fast")
+    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
+    hybrid = S.learner_logprobs(model, ro, numerics=tf_numerics)
+    assert torch.equal(hybrid.detach(), S.replay_logprobs(model, ro))
+    g_hybrid = _grads(model, hybrid, weights, ro.mask)
+    g_tf = _grads(model, S.teacher_forced_logprobs(model, ro, numerics=tf_numerics), weights, ro.mask)
+    # Exit loops are data (stop-gradient), so the exit gate is the one parameter with no gradient.
+    expected = {n for n, _ in model.named_parameters() if not n.startswith("model.early_exit_gate.")}
+    assert g_tf.keys() == expected, f"gradients on {sorted(g_tf)}, expected {sorted(expected)}"
+    assert g_hybrid.keys() == g_tf.keys()
+    for n in g_tf:
+        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
+
+
+def _first_divergence(a: S.Rollout, b: S.Rollout, seq: int) -> int:
+    """Index of the first completion token where the two rollouts' tokens or exit loops differ."""
+    pairs = list(zip(zip(a.completions[seq], a.exit_loops[seq], strict=True),
+                     zip(b.completions[seq], b.exit_loops[seq], strict=True), strict=False))
+    return next((k for k, (x, y) in enumerate(pairs) if x != y), len(pairs))
+
+
+@examples(25)
+@given(case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6)))
+def test_fast_schedules_agree_to_rounding(case):
+    """Under fast numerics dense, deferred and teacher-forced compute one policy, up to rounding."""
+    model = case.model(torch.float32)
+    dense = case.rollout(model, mode="dense", numerics="fast")
+    deferred = case.rollout(model, mode="deferred", numerics="fast")
+    # Tolerance: float32 rounding differs between batch shapes (SPEC §4); it may flip a token or an exit,
+    # after which the sequences legitimately part, so compare up to the first difference.
+    for b in range(len(case.prompts)):
+        k = _first_divergence(dense, deferred, b)
+        d = maxdiff(dense.logprobs[b, :k], deferred.logprobs[b, :k])
+        assert d <= 1e-5, f"sequence {b}, tokens 0..{k - 1}: dense vs deferred max |diff| = {d:.3e}"
+    # Teacher forcing runs every position in one call (the most different batch shape), so 2e-5; its
+    # exits are data, so it never diverges.
+    tf = S.teacher_forced_logprobs(model, dense, numerics="fast").detach()
+    d = maxdiff(tf[dense.mask], dense.logprobs[dense.mask])
+    assert d <= 2e-5, f"teacher-forced vs dense: max |diff| = {d:.3e}"
+
+
+@examples(10)
+@given(logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5), seed=st.integers(0, 2**16),
+       temperature=st.sampled_from([0.5, 1.0, 2.0]))
+def test_sampling_follows_the_policy(logits, temperature, seed):
+    """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
+    logp = S.policy_logprobs(torch.tensor([logits]), temperature)[0]  # (V,)
+    gen, n = torch.Generator().manual_seed(seed), 3000
+    counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
+    for v, p in enumerate(logp.double().exp().tolist()):
+        # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
+        assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
+
+
+@examples(20)
+@given(case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6), batch=(1, 3), temperatures=(0.0, 0.7, 1.0, 1.5)),
+       mode=modes, numerics=st.sampled_from(S.NUMERICS))
+def test_float64_rollout_matches_full_recompute(case, mode, numerics):
+    """Caches, deferral and exits must not change the policy: each step recomputed from scratch agrees."""
+    model = case.model(torch.float64)
+    ro = case.rollout(model, mode=mode, numerics=numerics)
+    R, t = case.cfg.total_ut_steps, case.temperature if case.temperature > 0 else 1.0
+    worst = 0.0
+    for b, prompt in enumerate(ro.prompts):
+        for k, tok in enumerate(ro.completions[b]):
+            logits, gates = slow_loop_outputs(model, torch.tensor([prompt + ro.completions[b][:k]]))  # prefix
+            e = S.exit_loop(gates[:, 0, -1], R, case.threshold, case.min_loops)
+            assert e == ro.exit_loops[b][k], f"sequence {b} token {k}: exit {ro.exit_loops[b][k]}, twin {e}"
+            logp = torch.log_softmax(logits[e - 1, 0, -1] / t, dim=-1)  # (V,)
+            if case.temperature == 0:
+                assert tok == int(logp.argmax()), f"greedy token {k} of sequence {b} is not the argmax"
+            worst = max(worst, abs(float(logp[tok]) - float(ro.logprobs[b, k])))
+    # Tolerance: the twin's float64 operations differ from the module's (order of sums, rsqrt).
+    assert worst <= 1e-12, f"max |logprob diff| = {worst:.3e}"
+
+
+@examples(25)
+@given(case=cases(), mode=modes)
+def test_each_loop_of_each_position_computed_once_in_order(case, mode):
+    """Exact KV means each (sequence, position, loop) is computed once, after its loop r - 1."""
+    ro = case.rollout(case.model(), mode=mode, numerics="fast")
+    units = [(b, p, c.loop) for c in ro.schedule.calls for b, p in c.rows]
+    dup = [u for u, n in Counter(units).items() if n > 1]
+    assert not dup, f"computed more than once: {dup[:5]}"
+    loops_of: dict = {}
+    for b, p, r in units:
+        loops_of.setdefault((b, p), []).append(r)
+    for (b, p), rs in loops_of.items():
+        assert rs == list(range(1, len(rs) + 1)), f"sequence {b} position {p} computed loops {rs}"
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6)))
+def test_deferred_never_does_more_work_than_dense(case):
+    """Deferral exists to skip loops; it must never add row-loops for the same tokens."""
+    model = case.model()
+    dense = case.rollout(model, mode="dense", numerics="invariant")
+    deferred = case.rollout(model, mode="deferred", numerics="invariant")
+    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
+    assert deferred.schedule.row_loops() <= dense.schedule.row_loops()
+    assert len(deferred.schedule.calls) <= len(dense.schedule.calls)
+
+
+@examples(25)
+@given(case=cases(), threshold=st.floats(1.5, 3.0))
+def test_without_early_exits_deferred_is_dense(case, threshold):
+    """When every token runs all R loops there is nothing to defer: the schedules must coincide."""
+    model = case.model()
+    dense = case.rollout(model, mode="dense", exit_threshold=threshold, min_loops=1)
+    deferred = case.rollout(model, mode="deferred", exit_threshold=threshold, min_loops=1)
+    R = case.cfg.total_ut_steps
+    assert all(e == R for es in dense.exit_loops for e in es)
+    calls = lambda ro: [(c.loop, list(c.rows), list(c.readout)) for c in ro.schedule.calls]  # noqa: E731
+    assert calls(deferred) == calls(dense)
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6), batch=(1, 1)))
+def test_deferred_step_makes_e_new_calls(case):
+    """The speed claim: a lone sequence's step costs e_new loop calls, not R."""
+    ro = case.rollout(case.model(), mode="deferred", numerics="fast")
+    steps, current = [], []
+    for c in ro.schedule.calls:
+        current.append(c.loop)
+        if c.readout:  # the readout row ends a step: its token is sampled here
+            assert c.readout == [(0, len(case.prompts[0]) - 1 + len(steps))], c.readout
+            steps.append(current)
+            current = []
+    assert not current, f"calls after the last readout: {current}"
+    assert steps == [list(range(1, e + 1)) for e in ro.exit_loops[0]], (steps, ro.exit_loops[0])
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
+def test_sequence_does_not_depend_on_its_batch(case, mode, data):
+    """Per-sequence generators + invariant numerics: batching and sharding must not change a sequence."""
+    model = case.model()
+    i = data.draw(st.integers(0, len(case.prompts) - 1))
+    batch = case.rollout(model, mode=mode, numerics="invariant")
+    alone = S.rollout(model, [case.prompts[i]], mode=mode, numerics="invariant", sequence_ids=[i],
+                      max_new_tokens=case.max_new_tokens, temperature=case.temperature,
+                      exit_threshold=case.threshold, min_loops=case.min_loops, seed=case.seed)
+    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
+    d = maxdiff(alone.logprobs[0], batch.logprobs[i])
+    assert torch.equal(alone.logprobs[0], batch.logprobs[i]), f"alone vs in a batch: max |diff| = {d:.3e}"
+
+
+@examples(25)
+@given(case=cases(), mode=modes, numerics=st.sampled_from(S.NUMERICS), dtype=dtypes)
+def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
+    """The schedule is data an engine can hand over: what comes back from JSON must replay exactly."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics=numerics)
+    text = ro.schedule.to_json()
+    schedule = S.Schedule.from_json(text)
+    assert schedule.to_json() == text
+    replay = S.replay_logprobs(model, dataclasses.replace(ro, schedule=schedule))
+    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
+
+
+@examples(25)
+@given(case=cases(new_tokens=(3, 6)), mode=modes)
+def test_eos_ends_sequence_and_masks_the_rest(case, mode):
+    """After EOS nothing may be sampled or trained on; before it nothing may change."""
+    model = case.model()
+    full = case.rollout(model, mode=mode, numerics="invariant")
+    eos = full.completions[0][1]  # a token that really occurs
+    ro = case.rollout(model, mode=mode, numerics="invariant", eos_id=eos)
+    N = case.max_new_tokens
+    for b, c in enumerate(full.completions):
+        n = c.index(eos) + 1 if eos in c else len(c)
+        assert ro.completions[b] == c[:n] and ro.exit_loops[b] == full.exit_loops[b][:n], b
+        assert ro.mask[b].tolist() == [k < n for k in range(N)], b
+        assert torch.equal(ro.logprobs[b, :n], full.logprobs[b, :n]) and not bool(ro.logprobs[b, n:].any()), b
+    assert ro.completions[0][-1] == eos and len(ro.completions[0]) <= 2
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6)), mode=modes, dtype=dtypes)
+def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
+    """Sequences of different lengths must replay exactly too (masks, padding, early stops)."""
+    model = case.model(dtype)
+    eos = case.rollout(model, mode=mode).completions[0][0]
+    ro = case.rollout(model, mode=mode, eos_id=eos)
+    assert len(ro.completions[0]) == 1
+    assert torch.equal(S.replay_logprobs(model, ro), ro.logprobs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GRPO, data and the trainer (issue 4)
+# ---------------------------------------------------------------------------------------------------
+
+GSM8K = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
+TINY_JSON = str(Path(__file__).resolve().parent / "tiny_configs" / "tiny.json")
+
+
+def test_group_advantages_hand_computed():
+    """Advantages are the hand-computed values for each scaling (a wrong std or mean would show)."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    s_group = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    s_batch = math.sqrt(1.5 / 7)  # unbiased std of the 8 rewards
+    expect = {
+        "group": [0.5 / (s_group + 1e-4), -0.5 / (s_group + 1e-4)] * 2 + [0.0] * 4,
+        "batch": [0.5 / (s_batch + 1e-4), -0.5 / (s_batch + 1e-4)] * 2 + [0.0] * 4,
+        "none": [0.5, -0.5] * 2 + [0.0] * 4,
+    }
+    for scale, e in expect.items():
+        e = torch.tensor([e[0], e[1], e[1], e[0]] + e[4:]) if scale != "none" else torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+        got = S.group_advantages(r, 4, scale)
+        assert torch.allclose(got, e, atol=1e-6), f"{scale}: max diff {(got - e).abs().max()}"
+
+
+@pytest.mark.parametrize("agg,expect", [("token_mean", -0.25), ("seq_mean_token_mean", 0.5), ("dr_grpo", -0.125)])
+def test_loss_aggregations_hand_computed(agg, expect):
+    """Each aggregation divides by what its paper says (tokens, per-sequence means, B * N)."""
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -2.0])
+    loss, stats = S.grpo_loss(logp, logp.clone(), adv, mask, loss_agg=agg)
+    assert abs(float(loss) - expect) < 1e-7, f"{agg}: {float(loss)} != {expect}"
+    assert stats["clip_ratio"] == 0.0
+
+
+def test_clipped_surrogate_hand_computed():
+    """Clipping binds only in the direction that matters: ratio 1.5 is clipped for A > 0, not for A < 0."""
+    logp_old = torch.zeros(2, 1)
+    logp = torch.full((2, 1), math.log(1.5))
+    loss, stats = S.grpo_loss(logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool),
+                              epsilon_low=0.2, epsilon_high=0.2)
+    expect = -(1.2 * 1.0 + 1.5 * -1.0) / 2
+    assert abs(float(loss) - expect) < 1e-6, f"{float(loss)} != {expect}"
+    assert stats["clip_ratio"] == 0.5
+
+
+@examples(8)
+@given(cfg=configs(), data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_first_grpo_iteration_ratios_exactly_one(cfg, data, dtype):
+    """On-policy means on-policy: the learner's first-iteration ratio is exactly 1.0 and nothing is clipped."""
+    model = S.LoopedLM(cfg, seed=data.draw(st.integers(0, 3))).to(dtype)
+    prompts = data.draw(st.lists(st.lists(st.integers(0, cfg.vocab_size - 1), min_size=1, max_size=4),
+                                 min_size=2, max_size=2))
+    ro = S.rollout(model, [p for p in prompts for _ in range(2)], mode="deferred", max_new_tokens=4, seed=1)
+    ratio = torch.exp(S.learner_logprobs(model, ro).detach() - ro.logprobs)
+    assert bool((ratio[ro.mask] == 1.0).all()), f"ratios {ratio[ro.mask].tolist()}"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = S.grpo_update(model, opt, ro, torch.tensor([1.0, 0.0, 0.0, 1.0]), S.GRPOConfig(group_size=2))
+    assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
+    assert m["exact/mismatched_tokens"] == 0 and m["sampling/sampling_logp_difference/max"] == 0.0
+
+
+def test_teacher_forced_gradient_finite_differences():
+    """The teacher-forced gradient is the true derivative (float64 central differences, rtol 1e-6)."""
+    cfg = S.Config(vocab_size=30, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                   num_key_value_heads=1, num_hidden_layers=1, total_ut_steps=3, early_exit_threshold=0.6,
+                   initializer_range=0.5, max_position_embeddings=32)
+    model = S.LoopedLM(cfg, seed=1).double()
+    ro = S.rollout(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
+    w = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * ro.mask
+    f = lambda: float((S.teacher_forced_logprobs(model, ro) * w).sum())  # noqa: E731
+    model.zero_grad()
+    (S.teacher_forced_logprobs(model, ro) * w).sum().backward()
+    params = dict(model.named_parameters())
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.0.input_layernorm_2.weight", "lm_head.weight", "model.embed_tokens.weight"]:
+        p = params[name]
+        for flat in [0, p.numel() // 2, p.numel() - 1]:
+            idx = np.unravel_index(flat, tuple(p.shape))
+            with torch.no_grad():
+                old = p[idx].item()
+                p[idx] = old + 1e-6
+                up = f()
+                p[idx] = old - 1e-6
+                down = f()
+                p[idx] = old
+            fd, g = (up - down) / 2e-6, p.grad[idx].item()
+            assert abs(fd - g) <= 1e-6 * max(1.0, abs(g)) + 1e-7, f"{name}{idx}: fd {fd} vs grad {g}"
+
+
+def _train(tmp_path, *extra):
+    args = ["train", "--config", TINY_JSON, "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "6", "--subset", "20", "--device", "cpu", "--lr", "1e-2", "--save-every", "1"]
+    return S.main(args + list(extra))
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path):
+    """A resumed run continues bit for bit: same weights and optimizer as a run that never stopped."""
+    assert _train(tmp_path, "--out", str(tmp_path / "a")) == 0
+    assert _train(tmp_path, "--out", str(tmp_path / "b"), "--steps", "1") == 0
+    assert _train(tmp_path, "--out", str(tmp_path / "b"), "--resume") == 0
+    a, b = (torch.load(tmp_path / x / "trainer_state.pt", weights_only=False) for x in "ab")
+    assert a["step"] == b["step"] == 2
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_non_finite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """A NaN during training stops with a diagnosis and leaves the last good checkpoint untouched."""
+    real = S.grpo_update
+    calls = []
+
+    def poisoned(model, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("nan")
+        return real(model, *a, **k)
+    monkeypatch.setattr(S, "grpo_update", poisoned)
+    assert _train(tmp_path, "--out", str(tmp_path / "run")) == 1
+    assert "last good checkpoint" in capsys.readouterr().out
+    state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def _gsm8k_lines(n):
+    path = GSM8K / "test.jsonl"
+    if not path.exists():
+        pytest.skip(f"GSM8K not found at {path} (the shared data folder is absent)")
+    return [json.loads(x) for x in path.read_text().splitlines()[:n]]
+
+
+def test_scorers_on_real_gsm8k_lines():
+    """Each gold answer scores 1 against itself (strict and lenient) and 0 against a changed number."""
+    for d in _gsm8k_lines(50):
+        gold = S.gsm8k_answer(d["answer"])
+        assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
+        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
+        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"#### {gold + 1:g}", d["answer"], "strict") == 0.0
+
+
+def test_scorer_number_normalisation():
+    """'18.00' equals '18', '$1,000' equals '1000'; the strict scorer takes the last '####'."""
+    assert S.gsm8k_score("#### 18.00", "x #### 18") == 1.0
+    assert S.gsm8k_score("#### $1,000", "#### 1000") == 1.0
+    assert S.gsm8k_score("#### 3 then #### 4", "#### 4") == 1.0
+    assert S.gsm8k_score("#### 4 then #### 3", "#### 4") == 0.0
+    assert S.gsm8k_score("it is 7 or 8", "8", "lenient") == 1.0
+
+
+def test_train_one_step_on_real_gsm8k(tmp_path):
+    """`train` runs end to end on a real GSM8K subset with tiny.json and leaves an HF checkpoint."""
+    path = GSM8K / "train.jsonl"
+    if not path.exists():
+        pytest.skip(f"GSM8K not found at {path}")
+    out = tmp_path / "run"
+    rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--subset", "4", "--steps", "1",
+                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--device", "cpu",
+                 "--out", str(out)])
+    assert rc == 0 and (out / "model.safetensors").exists() and (out / "metrics.jsonl").exists()
+    S.LoopedLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ":2: missing string key 'answer'"),
+    ('{"question": "q", "answer": "no final answer"}\n', ":1: 'answer' has no '#### <number>'"),
+    ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: not valid JSON"),
+    ("", "has no problems"),
+])
+def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
+    """Malformed GSM8K files are refused with the file and line named."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError) as e:
+        S.gsm8k_load(path)
+    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
+    """A subset larger than the file and a prompt over the position limit are clear errors."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
+        S.gsm8k_load(path, subset=5)
+    rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
+        S.train(S.build_parser().parse_args(["train", "--config", TINY_JSON, "--data", str(path), "--device", "cpu"]))
+
+
+def test_builtin_problems_are_seeded_and_scored():
+    """The built-in generator is reproducible from its seed and its gold answers score 1."""
+    a, b = S.arithmetic_problems(30, seed=5), S.arithmetic_problems(30, seed=5)
+    assert a == b and a != S.arithmetic_problems(30, seed=6)
+    assert all(S.gsm8k_score(p["answer"], p["answer"]) == 1.0 for p in a)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The oracle (issue 5)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _records(tmp_path, kv):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt": "hi"}\n{"prompt_ids": [9]}\n')
+    out = tmp_path / f"ro-{kv}.jsonl"
+    assert S.main(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out), "--kv", kv,
+                   "--max-new-tokens", "6", "--seed", "3"]) == 0
+    return out
+
+
+def _verify(path, capsys, *extra):
+    capsys.readouterr()
+    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(path), "--atol", "1e-4"] + list(extra))
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kv", ["exact", "last_exited"])
+def test_verify_accepts_own_rollouts(tmp_path, capsys, kv):
+    """The project's own rollouts verify with zero mismatches and zero exit-rule violations."""
+    rc, summary = _verify(_records(tmp_path, kv), capsys, "--kv", kv)
+    assert rc == 0 and summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0, summary
+    assert summary["sequences"] == 3 and summary["tokens"] > 0 and summary["first_mismatch"] is None
+
+
+def test_verify_reports_first_perturbed_logprob(tmp_path, capsys):
+    """One perturbed log-prob fails with exit 1 and is reported as the first mismatch."""
+    path = _records(tmp_path, "exact")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    recs[1]["logprobs"][2] += 0.01
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, summary = _verify(path, capsys)
+    assert rc == 1 and summary["mismatched_tokens"] == 1, summary
+    fm = summary["first_mismatch"]
+    assert (fm["sequence"], fm["token"]) == (1, 2) and abs(fm["got"] - recs[1]["logprobs"][2]) < 1e-12
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("not json", "not valid JSON"),
+    ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
+    ('{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}', "outside the vocabulary"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
+])
+def test_verify_bad_input_exits_2_naming_the_line(tmp_path, capsys, line, needle):
+    """Malformed records exit 2 with the file and line named."""
+    path = tmp_path / "bad.jsonl"
+    ok = '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0.0]}'
+    path.write_text(ok + "\n" + line + "\n")
+    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}:2:" in err and needle in err, err
+
+
+def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
+    """A recorded exit loop that breaks the rule is counted, with its distance to the threshold."""
+    path = _records(tmp_path, "exact")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    R = S.Config.from_json(TINY_JSON).total_ut_steps
+    recs[0]["exit_loops"][1] = recs[0]["exit_loops"][1] % R + 1  # a wrong depth
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, summary = _verify(path, capsys)
+    assert rc == 1 and summary["exit_rule_violations"] == 1, summary
+    model = S.LoopedLM(S.Config.from_json(TINY_JSON)).double()
+    v = S.verify_record(model, {**recs[0], "temperature": 1.0})["violations"]
+    assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
+
+
+def test_last_exited_is_a_different_policy():
+    """KV-copy semantics differ from exact ones as soon as a generated token exits early."""
+    model = S.LoopedLM(S.Config.from_json(TINY_JSON))
+    ro = S.rollout(model, [[5, 6, 7]], mode="deferred", numerics="invariant", max_new_tokens=8, seed=3)
+    assert any(e < 4 for e in ro.exit_loops[0][1:-1]), "this seed must give an early exit"
+    other = S.teacher_forced_logprobs(model, dataclasses.replace(ro, kv="last_exited"), "invariant").detach()
+    exact = S.teacher_forced_logprobs(model, ro, "invariant").detach()
+    assert torch.equal(exact, ro.logprobs) and not torch.equal(other, exact)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data-parallel GRPO (issue 6)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_two_processes_match_one(tmp_path):
+    """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
+    parameters after two steps agree with one process to 1e-5 relative."""
+    script = str(Path(S.__file__).resolve())
+    common = ["train", "--config", TINY_JSON, "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
+              "--max-new-tokens", "4", "--numerics", "invariant", "--reward", "digits", "--subset", "20",
+              "--device", "cpu", "--log-rollouts", "--lr", "1e-2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run([sys.executable, script, *common, "--out", str(one)], check=True, env=env, timeout=300,
+                   capture_output=True)
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          script, *common, "--out", str(two)], env=env, timeout=300, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def records(folder):
+        out = {}
+        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
+            for line in f.read_text().splitlines():
+                d = json.loads(line)
+                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
+        return out
+    r1, r2 = records(one), records(two)
+    assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
+    assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
+    st_ = pytest.importorskip("safetensors.torch")
+    a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
+    for k in a:
+        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
+    assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
