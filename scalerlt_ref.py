@@ -152,7 +152,7 @@ class Config:
                 raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
         if is_hf:
             _check_hf_semantics(d, source)
-            if kw.get("early_exit_threshold") is None:  # HF's default: no early exit
+            if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
                 kw["early_exit_threshold"] = 1.0
             if kw.get("head_dim") is None:
                 kw.pop("head_dim", None)
@@ -943,8 +943,9 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
         raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
                          f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
                          f"  misshapen tensors: {misshapen}")
+    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
     model.load_state_dict(tensors)
-    return model.to(dtype=dtype, device=device)
+    return model.to(device=device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1978,6 +1979,9 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import sys
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they happen, even through a pipe
     try:
         return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
                 "bench": cmd_bench}[args.command](args)

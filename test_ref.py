@@ -261,8 +261,6 @@ def test_checkpoint_round_trip_is_exact(tmp_path_factory, cfg, model_seed, dtype
     assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.gate_logits, out_b.gate_logits)
 
 
-@pytest.mark.xfail(strict=True, reason="module bug: load_checkpoint loads into a float32 model, then casts, "
-                   "so a float64 checkpoint loses its low bits even with dtype=torch.float64")
 def test_float64_checkpoint_round_trip_is_exact(tmp_path):
     """The float64 oracle runs need float64 weights back bit for bit, not rounded through float32."""
     model = _full_precision_model(S.Config(**TINY), 1, torch.float64)
