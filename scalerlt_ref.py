@@ -869,8 +869,9 @@ def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> to
     """The hybrid: value of the replay, gradient of the teacher-forced forward. (B, N).
 
     NOTE: `replay.detach() + (tf - tf.detach())`, in this order: tf - tf.detach() is exactly 0.0 in
-    every element, and x + 0.0 == x, so the value is the replay's bits. The other form,
-    `tf + (replay - tf).detach()`, rounds twice and is NOT bitwise equal to the replay.
+    every element, and x + 0.0 == x, so the value is the replay's bits, always. The other form,
+    `tf + (replay - tf).detach()`, is exact only while tf and replay are within a factor of 2 (then
+    replay - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
     """
     replay = replay_logprobs(model, ro).to(model.device)
     tf = teacher_forced_logprobs(model, ro, numerics)
@@ -1689,6 +1690,7 @@ def cmd_bench(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 17, (8,), generator=gen)]
+    cache_prompt = torch.randint(0, 256, (args.cache_prompt,), generator=gen).tolist()
     R, N = cfg.total_ut_steps, args.new_tokens
 
     def sync():
@@ -1753,10 +1755,10 @@ def cmd_bench(args) -> int:
             model.zero_grad()
             dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
             fb.append(dt)
-        t_opt, _ = timed(opt.step)
         t_learn, _ = timed(lambda: grpo_update(model, opt, ro, torch.arange(len(batch), dtype=torch.float32) % 2,
                                                GRPOConfig(group_size=2, check_replay=True)))
-        model.load_state_dict(base.state_dict())  # undo the updates: later figures use the same weights
+        t_opt, _ = timed(opt.step)  # the optimizer alone, on the gradients the update left
+        model.load_state_dict(base.state_dict())  # undo the updates: later figures use the rollout's weights
         rows.append((dtype_name, "learner", f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} "
                      f"ms/token; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
                      f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"))
@@ -1771,14 +1773,16 @@ def cmd_bench(args) -> int:
         summary[f"naive_max_abs_diff{suffix}"] = float(d.max())
         rows.append((dtype_name, "naive learner vs sampler", f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
                      f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"))
-        # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1).
+        # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
+        # GSM8K-sized prompt and for the short bench prompt.
         n_cache = args.cache_tokens
-        t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompts[0], n_cache, cfg.early_exit_threshold))
-        t_cached, ro_c = timed(lambda: rollout(model, prompts[:1], mode="dense", max_new_tokens=n_cache,
-                                               temperature=0.0))
-        summary[f"cache_speedup{suffix}"] = round(t_rec / t_cached, 2)
-        rows.append((dtype_name, f"KV cache, {n_cache} new", f"recompute {t_rec:.2f}s, cached dense {t_cached:.2f}s: "
-                     f"x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}"))
+        for name, prompt in (("", cache_prompt), ("_short", prompts[0])):
+            t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, cfg.early_exit_threshold))
+            t_cached, ro_c = timed(lambda: rollout(model, [prompt], mode="dense", max_new_tokens=n_cache,
+                                                   temperature=0.0))
+            summary[f"cache_speedup{name}{suffix}"] = round(t_rec / t_cached, 2)
+            rows.append((dtype_name, f"KV cache, {len(prompt)}+{n_cache}", f"recompute {t_rec:.2f}s, cached dense "
+                         f"{t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}"))
     summary["peak_memory_mb"] = round(_peak_memory_mb(device), 1)
     print(f"bench: {args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), {device}, "
           f"{torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, gate bias {args.gate_bias}")
@@ -1971,6 +1975,8 @@ def build_parser():
     bp.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
     bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
+    bp.add_argument("--cache-prompt", type=int, default=128, help="prompt tokens for the cache comparison "
+                    "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too")
     bp.add_argument("--repeats", type=int, default=3, help="alternating repeats (medians are reported)")
     bp.add_argument("--gate-bias", type=float, default=1.0, help="exit-gate bias set on the random model")
     bp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
