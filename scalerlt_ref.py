@@ -1197,16 +1197,11 @@ def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
     return float(got is not None and abs(got - gold) < 1e-9 * max(1.0, abs(gold)))
 
 
-def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
-    """Read GSM8K JSONL ({"question", "answer": "... #### 18"}); a seeded random subset of N problems.
-
-    Returns dicts with "question", "answer", "index" (0-based line). Bad lines are an error naming the
-    file and the 1-based line.
-    """
+def read_jsonl(path: str | os.PathLike):
+    """Yield (1-based line number, JSON object) for each non-blank line; a ValueError names file and line."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{path}: no such file")
-    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -1215,12 +1210,26 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            for key in ("question", "answer"):
-                if not isinstance(d, dict) or not isinstance(d.get(key), str):
-                    raise ValueError(f"{path}:{lineno}: missing string key {key!r}")
-            if gsm8k_answer(d["answer"]) is None:
-                raise ValueError(f"{path}:{lineno}: 'answer' has no '#### <number>' final answer")
-            rows.append({"question": d["question"], "answer": d["answer"], "index": len(rows)})
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, d
+
+
+def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
+    """Read GSM8K JSONL ({"question", "answer": "... #### 18"}); a seeded random subset of N problems.
+
+    Returns dicts with "question", "answer", "index" (0-based line). Bad lines are an error naming the
+    file and the 1-based line.
+    """
+    path = Path(path)
+    rows = []
+    for lineno, d in read_jsonl(path):
+        for key in ("question", "answer"):
+            if not isinstance(d.get(key), str):
+                raise ValueError(f"{path}:{lineno}: missing string key {key!r}")
+        if gsm8k_answer(d["answer"]) is None:
+            raise ValueError(f"{path}:{lineno}: 'answer' has no '#### <number>' final answer")
+        rows.append({"question": d["question"], "answer": d["answer"], "index": len(rows)})
     if not rows:
         raise ValueError(f"{path}: the file has no problems")
     if subset is not None:
@@ -1498,19 +1507,9 @@ def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
 def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     """Read and validate rollout records; any problem is a ValueError naming the file and 1-based line."""
     path, R, V = Path(path), cfg.total_ut_steps, cfg.vocab_size
-    if not path.exists():
-        raise ValueError(f"{path}: no such file")
     records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, d in read_jsonl(path):
         where = f"{path}:{lineno}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"{where}: a record must be a JSON object")
         for key in RECORD_KEYS:
             if not isinstance(d.get(key), list):
                 raise ValueError(f"{where}: missing list key {key!r}")
@@ -1622,16 +1621,10 @@ def cmd_rollout(args) -> int:
     model = _load_model_arg(args, DTYPES[args.dtype])
     tok = None
     prompts = []
-    for lineno, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{args.prompts}:{lineno}: not valid JSON ({e.msg})") from None
-        if isinstance(d, dict) and isinstance(d.get("prompt_ids"), list):
+    for lineno, d in read_jsonl(args.prompts):
+        if isinstance(d.get("prompt_ids"), list):
             prompts.append(d["prompt_ids"])
-        elif isinstance(d, dict) and isinstance(d.get("prompt"), str):
+        elif isinstance(d.get("prompt"), str):
             if tok is None:
                 tok_path = Path(args.model or ".") / "tokenizer.json"
                 tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
