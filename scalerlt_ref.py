@@ -77,6 +77,13 @@ _HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where
 }
 
 
+_HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves out
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "total_ut_steps": 4, "tie_word_embeddings": False,
+}
+
+
 @dataclass
 class Config:
     """One looped model's shape. Loads tiny_configs/*.json (strict) and HF Ouro config.json files."""
@@ -152,6 +159,10 @@ class Config:
                 raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
         if is_hf:
             _check_hf_semantics(d, source)
+            for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
+                kw.setdefault(key, value)
+            if kw.get("num_key_value_heads") is None:
+                kw["num_key_value_heads"] = kw["num_attention_heads"]
             if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
                 kw["early_exit_threshold"] = 1.0
             if kw.get("head_dim") is None:

@@ -982,3 +982,29 @@ def test_two_processes_match_one(tmp_path):
         assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
     start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
     assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
+
+
+def test_ouro_objective_hand_computed():
+    """Ouro's objective is sum_r p(r|x) CE_r - beta H(p), with p from the gates (CE and p checked by hand)."""
+    g1 = 0.7
+    logits = torch.tensor([[[[2.0, 0.0]]], [[[0.0, 1.0]]]])  # (R=2, B=1, T=1, V=2)
+    out = S.LoopOutputs(logits=logits, gate_logits=torch.tensor([[[g1]], [[-5.0]]]))
+    lam = 1 / (1 + math.exp(-g1))
+    p = [lam, 1 - lam]  # the last loop takes the rest, whatever its own gate says
+    ce = [math.log(1 + math.exp(2.0)), math.log(1 + math.exp(-1.0))]  # target token 1 at each loop
+    entropy = -sum(x * math.log(x) for x in p)
+    expect = p[0] * ce[0] + p[1] * ce[1] - 0.1 * entropy
+    got = S.ouro_loss(out, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool), beta=0.1)
+    assert abs(float(got) - expect) < 1e-6, f"{float(got)} != {expect}"
+
+
+def test_checkpoint_tokenizer_json_round_trips(tmp_path):
+    """A checkpoint's own tokenizer.json is used through the optional `tokenizers` package."""
+    tk = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "two": 1, "plus": 2, "is": 3, "four": 4}
+    tok = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = S.HFTokenizer(tmp_path / "tokenizer.json", eos_id=0)
+    assert hf.encode("two plus two is four") == [1, 2, 1, 3, 4] and hf.vocab_size == 5
+    assert hf.decode([1, 2, 1]) == "two plus two"
