@@ -1426,6 +1426,10 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
     metrics_path = out / "metrics.jsonl" if out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
+        for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:  # logs continue the checkpoint
+            if log_file.exists() and (rank == 0 or log_file != metrics_path):
+                keep = [x for x in log_file.read_text().splitlines() if json.loads(x)["step"] <= start_step]
+                _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
     t_run = time.time()
     history = []
     for step in range(start_step, args.steps):
@@ -1883,7 +1887,8 @@ def cmd_demo(args) -> int:
     for r, c in enumerate(after["exit_histogram"], 1):
         print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
     if args.out:
-        _plot_history(history, Path(args.out) / "demo.png")
+        _plot_history(history, Path(args.out) / "demo.png", model.config.total_ut_steps,
+                      before["accuracy"], after["accuracy"])
     summary = {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
                "gain": round(after["accuracy"] - before["accuracy"], 4),
                "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
@@ -1897,7 +1902,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _plot_history(history: list[dict], path: Path) -> None:
+def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1907,10 +1912,15 @@ def _plot_history(history: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [m["step"] for m in history]
-    ax.plot(steps, [m["reward"] for m in history], label="reward = sampled accuracy (T=1)")
-    ax.plot(steps, [m["exit/mean_loops"] / 4 for m in history], label="mean exit loop / 4", alpha=0.6)
+    reward = [m["reward"] for m in history]
+    smooth = [sum(reward[max(0, i - 9):i + 1]) / len(reward[max(0, i - 9):i + 1]) for i in range(len(reward))]
+    ax.plot(steps, reward, label="reward = sampled accuracy (T=1)", alpha=0.35)
+    ax.plot(steps, smooth, label="reward, mean of last 10 steps")
+    ax.plot(steps, [m["exit/mean_loops"] / R for m in history], label=f"mean exit loop / {R}", alpha=0.6)
+    ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
+    ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
     ax.set_xlabel("GRPO step")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
