@@ -27,8 +27,8 @@ CPU build of torch this project pins: a float32 matmul gives a row different bit
 take a scalar path for the tail of a tensor and a vector path for the rest, with different bits. A
 deferred rollout runs a token's loop r together with whatever earlier positions ride along, a dense
 rollout runs it with the other sequences' tokens, and a teacher-forced learner runs it with every
-position at once: three different batch shapes, so three slightly different results (~1e-6 in float32,
-~1e-2 in bfloat16). The sampled tokens came from one of them; a learner that uses another is silently
+position at once: three different batch shapes, so three slightly different results (~1e-6 in float32
+here; in bfloat16 on GPUs, where kernels are picked by shape, ~1e-2 is typical). The sampled tokens came from one of them; a learner that uses another is silently
 off-policy. Two fixes, both here:
 - `numerics="invariant"` computes every row on its own (each layer, one row at a time), so a row's
   bits never depend on its call-mates: dense, deferred and teacher-forced then agree bit for bit.
@@ -312,6 +312,8 @@ class Attention(nn.Module):
         # Pack the rows as (sequence, row-within-sequence) so each sequence attends to its own cache.
         seqs, slot, counts = torch.unique_consecutive(seq, return_inverse=True, return_counts=True)
         j = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[slot]  # (n,) index within seq
+        # NOTE: Tk comes from the call's rows, not from the cache's allocated length, so a call's shapes
+        # (and so its bits) are the same in a rollout and in its replay, whose caches differ in length.
         nb, m, Tk = seqs.numel(), int(counts.max()), int(pos.max()) + 1
         qp = q.new_zeros(nb, m, H, D)
         qp[slot, j] = q  # (nb, m, H, D)
@@ -421,7 +423,11 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
     def loop_outputs(self, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-        """Teacher-forced, every loop, whole batch: idx (B, T) long -> LoopOutputs (R, B, T, V), (R, B, T)."""
+        """Teacher-forced, every loop, whole batch: idx (B, T) long -> LoopOutputs (R, B, T, V), (R, B, T).
+
+        NOTE: this is R *calls* (one per loop, every position a row) through `execute_call`, the one
+        function every computation in this file goes through; it is defined below, under "Calls".
+        """
         B, T = idx.shape
         _check_ids(idx, self.config, "idx")
         cache = LoopCache.empty(self, B, T)
@@ -602,6 +608,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this.
     """
     r, dev = call.loop, tokens.device
+    if [tuple(x) for x in call.rows] != sorted(set(map(tuple, call.rows))):  # a schedule read from JSON may lie
+        raise RuntimeError(f"call at loop {r}: rows must be sorted by (sequence, position), without repeats")
     seq = torch.tensor([b for b, _ in call.rows], dtype=torch.long, device=dev)  # (n,)
     pos = torch.tensor([p for _, p in call.rows], dtype=torch.long, device=dev)  # (n,)
     # Rows must arrive ready for this loop: done with loop r-1 exactly.
@@ -613,7 +621,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     # <= its own, this loop) is computed, either earlier or by a row of this call that comes before it.
     T = cache.depth.shape[1]
     needed = torch.arange(T, device=dev)[None, :] <= pos[:, None]  # (n, T)
-    assert bool((cache.depth[seq] >= r)[needed].all()), f"call at loop {r} would attend to K/V never computed"
+    if not bool((cache.depth[seq] >= r)[needed].all()):
+        raise RuntimeError(f"call at loop {r} would attend to a K/V that was never computed")
     h = model.loop(x, seq, pos, cache, r, numerics)  # (n, C)
     cache.h[seq, pos] = h
     return h
@@ -711,7 +720,8 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     positions, which by the same rule were brought up to loop r no later than in this call. Loops that
     no later token needs are never computed.
 
-    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32, mask (B, N) bool,
+    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
+    float64 model), mask (B, N) bool,
     and the schedule. Sequence b draws from its own generator seeded by (seed, sequence_ids[b]).
     """
     cfg, R = model.config, model.config.total_ut_steps
@@ -727,6 +737,8 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
         raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     threshold = cfg.early_exit_threshold if exit_threshold is None else exit_threshold
     B, N = len(prompts), max_new_tokens
     for b, p in enumerate(prompts):
@@ -879,8 +891,8 @@ def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast"
 def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
     """The hybrid: value of the replay, gradient of the teacher-forced forward. (B, N).
 
-    NOTE: `replay.detach() + (tf - tf.detach())`, in this order: tf - tf.detach() is exactly 0.0 in
-    every element, and x + 0.0 == x, so the value is the replay's bits, always. The other form,
+    NOTE: `replay.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
+    is exactly 0.0 in every element, and x + 0.0 == x, so the value is the replay's bits, always. The other form,
     `tf + (replay - tf).detach()`, is exact only while tf and replay are within a factor of 2 (then
     replay - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
     """
@@ -941,7 +953,10 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     tensors = {}
     for f in files:
-        tensors.update(st.load_file(str(path / f)))
+        try:
+            tensors.update(st.load_file(str(path / f)))
+        except Exception as e:  # a missing shard or a corrupt file: name it
+            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
     model = LoopedLM(cfg)
     expected = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
@@ -1012,8 +1027,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
     not at all ("none", Dr. GRPO). std is the unbiased one, as in TRL.
     """
-    r = rewards.float().view(-1, group_size)  # (P, G)
-    adv = r - r.mean(dim=1, keepdim=True)  # (P, G)
+    r = rewards.float().view(-1, group_size)  # (prompts, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)  # (prompts, group_size)
     if scale_rewards == "group":
         adv = adv / (r.std(dim=1, keepdim=True) + eps) if group_size > 1 else adv
     elif scale_rewards == "batch":
@@ -1090,6 +1105,10 @@ class NonFiniteError(RuntimeError):
     """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
 
 
+class ReplayMismatchError(RuntimeError):
+    """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
+
+
 def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, g: GRPOConfig,
                 numerics: str = "fast", ref_model: LoopedLM | None = None,
                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
@@ -1131,7 +1150,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
                 metrics["exact/mismatched_tokens"] = mismatched
                 metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
                 if mismatched:
-                    raise RuntimeError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
+                    raise ReplayMismatchError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
                                        "the learner would be off-policy (is the device nondeterministic?)")
             metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
         else:
@@ -1244,6 +1263,8 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
     if not rows:
         raise ValueError(f"{path}: the file has no problems")
     if subset is not None:
+        if subset < 1:
+            raise ValueError(f"{path}: subset must be >= 1, got {subset}")
         if subset > len(rows):
             raise ValueError(f"{path}: subset of {subset} asked for, the file has only {len(rows)} problems")
         pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset].tolist()
@@ -1402,9 +1423,16 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
                              f"exceeds the position limit max_position_embeddings={limit}")
     start_step = 0
     opt_state = None
-    if args.resume and out and (out / "trainer_state.pt").exists():
-        state = torch.load(out / "trainer_state.pt", weights_only=False)
-        model.load_state_dict(state["model"])
+    ref_state = None
+    if args.resume and not (out and (out / "trainer_state.pt").exists()):
+        raise ValueError(f"--resume: no {Path(args.out or '.') / 'trainer_state.pt'} to resume from")
+    if args.resume:
+        try:
+            state = torch.load(out / "trainer_state.pt", weights_only=False)
+            model.load_state_dict(state["model"])
+        except Exception as e:  # a truncated or foreign file: say which
+            raise ValueError(f"{out / 'trainer_state.pt'}: cannot resume from it ({e})") from None
+        ref_state = state["extra"].get("reference")
         opt_state, start_step = state["optimizer"], state["step"]
         torch.set_rng_state(state["torch_rng"])
         say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
@@ -1417,9 +1445,14 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
     if on_start is not None:
         on_start(model, tok)
     ref = None
-    if g.beta > 0:
+    if g.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
         ref = LoopedLM(model.config).to(dtype=dtype, device=device)
-        ref.load_state_dict(model.state_dict())
+        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
+    for flag in ("steps", "prompts_per_step", "group_size", "mu", "save_every", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     P, G = args.prompts_per_step, g.group_size
     if P % world:
         raise ValueError(f"--prompts-per-step {P} must be divisible by the number of processes {world}")
@@ -1452,9 +1485,10 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
         t1 = time.time()
         try:
             m = grpo_update(model, opt, ro, rewards, g, args.numerics, ref, dist["all_reduce"])
-        except NonFiniteError as e:
-            where = f"{out / 'trainer_state.pt'} (step {step})" if out and (out / "trainer_state.pt").exists() \
-                else "no checkpoint was written yet"
+        except (NonFiniteError, ReplayMismatchError) as e:
+            last = out / "trainer_state.pt" if out else None
+            where = (f"{last} (step {torch.load(last, weights_only=False)['step']})" if last and last.exists()
+                     else "no checkpoint was written yet")
             say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
                 "Try a lower --lr, float32, or a smaller --max-grad-norm.")
             raise
@@ -1475,7 +1509,8 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
             if out and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                save_trainer_state(out, model, opt, step + 1, {"args": vars(args)})
+                save_trainer_state(out, model, opt, step + 1, {"args": vars(args),
+                                                               "reference": ref.state_dict() if ref else None})
     if dist["world"] > 1:
         torch.distributed.destroy_process_group()
     return {"model": model, "tokenizer": tok, "history": history}
@@ -1541,11 +1576,11 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
         bad = [x for x in d["exit_loops"] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= R]
         if bad:
             raise ValueError(f"{where}: exit loop {bad[0]!r} is outside 1..{R}")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in d["logprobs"]):
-            raise ValueError(f"{where}: 'logprobs' must be numbers")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in d["logprobs"]):
+            raise ValueError(f"{where}: 'logprobs' must be finite numbers")
         t = d.get("temperature", 1.0)
-        if not isinstance(t, (int, float)) or t < 0:
-            raise ValueError(f"{where}: 'temperature' must be a number >= 0")
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"{where}: 'temperature' must be a finite number >= 0")
         if len(d["prompt_ids"]) + n > cfg.max_position_embeddings:
             raise ValueError(f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
@@ -1636,8 +1671,13 @@ def cmd_rollout(args) -> int:
     model = _load_model_arg(args, DTYPES[args.dtype])
     tok = None
     prompts = []
+    V = model.config.vocab_size
     for lineno, d in read_jsonl(args.prompts):
         if isinstance(d.get("prompt_ids"), list):
+            bad = [x for x in d["prompt_ids"] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
+            if bad or not d["prompt_ids"]:
+                raise ValueError(f"{args.prompts}:{lineno}: 'prompt_ids' must be a non-empty list of ids in "
+                                 f"0..{V - 1}" + (f" (found {bad[0]!r})" if bad else ""))
             prompts.append(d["prompt_ids"])
         elif isinstance(d.get("prompt"), str):
             if tok is None:
@@ -1811,7 +1851,8 @@ def _train_parser(sub) -> None:
                        description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
                                    "or the built-in arithmetic task. Run under torchrun for data parallel.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", default="tiny_configs/tiny.json", help="model config JSON (random init + warm start)")
+    src.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "tiny.json"),
+                     help="model config JSON (random init + warm start)")
     src.add_argument("--model", help="HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)")
     p.add_argument("--data", help="GSM8K JSONL file (default: the built-in arithmetic task)")
     p.add_argument("--subset", type=int, help="use a seeded random subset of this many problems")
@@ -1846,8 +1887,8 @@ def _train_parser(sub) -> None:
 def cmd_train(args) -> int:
     try:
         result = train(args)
-    except NonFiniteError:
-        return 1
+    except (NonFiniteError, ReplayMismatchError):
+        return 1  # train() has printed the diagnosis
     h = result["history"]
     print(json.dumps({"steps": len(h), "reward_last": h[-1]["reward"] if h else None,
                       "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
@@ -1878,7 +1919,10 @@ def cmd_demo(args) -> int:
                                "--max-new-tokens", str(args.max_new_tokens), "--subset", str(args.problems),
                                "--mode", "deferred", "--device", "cpu", "--save-every", str(10 ** 9)]
                               + (["--out", args.out] if args.out else []))
-    result = train(targs, on_start=on_start)
+    try:
+        result = train(targs, on_start=on_start)
+    except (NonFiniteError, ReplayMismatchError):
+        return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens)
     print(f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f}")
@@ -1930,7 +1974,7 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
 def _model_flags(p, dtype_default: str) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF Ouro checkpoint folder")
-    src.add_argument("--config", help="model config JSON (a random model from --seed)")
+    src.add_argument("--config", help="model config JSON (a random model from --init-seed)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random model's weights (with --config)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=dtype_default, help="model dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")

@@ -910,6 +910,7 @@ def test_verify_reports_first_perturbed_logprob(tmp_path, capsys):
     ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
     ('{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}', "outside the vocabulary"),
     ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
 ])
 def test_verify_bad_input_exits_2_naming_the_line(tmp_path, capsys, line, needle):
     """Malformed records exit 2 with the file and line named."""
@@ -1008,3 +1009,13 @@ def test_checkpoint_tokenizer_json_round_trips(tmp_path):
     hf = S.HFTokenizer(tmp_path / "tokenizer.json", eos_id=0)
     assert hf.encode("two plus two is four") == [1, 2, 1, 3, 4] and hf.vocab_size == 5
     assert hf.decode([1, 2, 1]) == "two plus two"
+
+
+def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
+    """Prompt ids that are not in-vocabulary integers are refused naming the prompts file and line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1.7]}\n')
+    rc = S.main(["rollout", "--config", TINY_JSON, "--prompts", str(path), "--out", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}:2:" in err and "1.7" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
