@@ -457,24 +457,6 @@ def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
 
 
-def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
-
-    out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
-    bool. p(r|x) is the exit distribution of the gates: p_r = lambda_r * prod_{j<r}(1 - lambda_j) for
-    r < R and the rest for r = R. The entropy bonus keeps the gate from collapsing onto one depth.
-    """
-    R = out.logits.shape[0]
-    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
-    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
-    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if R > 1 else survive  # (R, B, T), sums to 1
-    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(),
-                         reduction="none").view_as(p)  # (R, B, T)
-    entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
-    per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
-    return (per_token * mask).sum() / mask.sum().clamp_min(1)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Exit rule
 # ---------------------------------------------------------------------------------------------------
@@ -902,118 +884,6 @@ def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> to
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints (HF Ouro layout)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _safetensors():
-    try:
-        import safetensors.torch as st
-    except ImportError:
-        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
-                          "pip install safetensors") from None
-    return st
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]):
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
-    st = _safetensors()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
-    cfg = model.config.to_hf_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
-    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
-
-
-def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> LoopedLM:
-    st = _safetensors()
-    path = Path(path)
-    cfg = Config.from_json(path / "config.json")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors = {}
-    for f in files:
-        try:
-            tensors.update(st.load_file(str(path / f)))
-        except Exception as e:  # a missing shard or a corrupt file: name it
-            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
-    model = LoopedLM(cfg)
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
-                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
-    if missing or unexpected or misshapen:
-        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
-                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
-                         f"  misshapen tensors: {misshapen}")
-    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
-    model.load_state_dict(tensors)
-    return model.to(device=device)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
-
-    bos_id, eos_id, pad_id = 256, 257, 258
-    vocab_size = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
-
-    def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
-                              "pip install tokenizers") from None
-        self._tok = Tokenizer.from_file(str(path))
-        self.eos_id = eos_id
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-# ---------------------------------------------------------------------------------------------------
 # GRPO
 # ---------------------------------------------------------------------------------------------------
 
@@ -1317,8 +1187,138 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Checkpoints (HF Ouro layout)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
+                          "pip install safetensors") from None
+    return st
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]):
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
+    st = _safetensors()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
+    cfg = model.config.to_hf_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
+    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> LoopedLM:
+    st = _safetensors()
+    path = Path(path)
+    cfg = Config.from_json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(st.load_file(str(path / f)))
+        except Exception as e:  # a missing shard or a corrupt file: name it
+            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    model = LoopedLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
+    if missing or unexpected or misshapen:
+        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
+                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+                         f"  misshapen tensors: {misshapen}")
+    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
+    model.load_state_dict(tensors)
+    return model.to(device=device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
+
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
+
+    def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
+                              "pip install tokenizers") from None
+        self._tok = Tokenizer.from_file(str(path))
+        self.eos_id = eos_id
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Warm start and evaluation
 # ---------------------------------------------------------------------------------------------------
+
+
+def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
+    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
+
+    out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
+    bool. p(r|x) is the exit distribution of the gates: p_r = lambda_r * prod_{j<r}(1 - lambda_j) for
+    r < R and the rest for r = R. The entropy bonus keeps the gate from collapsing onto one depth.
+    """
+    R = out.logits.shape[0]
+    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
+    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if R > 1 else survive  # (R, B, T), sums to 1
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(),
+                         reduction="none").view_as(p)  # (R, B, T)
+    entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
+    per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
+    return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
 def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size: int = 32,
