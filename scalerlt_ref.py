@@ -703,8 +703,8 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     no later token needs are never computed.
 
     Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
-    float64 model), mask (B, N) bool,
-    and the schedule. Sequence b draws from its own generator seeded by (seed, sequence_ids[b]).
+    float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
+    by (seed, sequence_ids[b]) (default: b).
     """
     cfg, R = model.config, model.config.total_ut_steps
     if mode not in ("dense", "deferred"):
@@ -731,6 +731,8 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         _check_ids(torch.tensor(p), cfg, f"prompt {b}")
     ids = list(range(B)) if sequence_ids is None else list(sequence_ids)
+    if len(ids) != B:
+        raise ValueError(f"sequence_ids has {len(ids)} entries for {B} prompts")
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in ids]
 
     T = max(len(p) for p in prompts) + N
