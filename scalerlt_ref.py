@@ -462,35 +462,38 @@ def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
 # ---------------------------------------------------------------------------------------------------
 
 
-def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
-    """The exit rule for one position (SPEC §3), given the gate logits of its first r <= R loops.
+def exit_cdf(gate_logits: torch.Tensor, R: int) -> list[float]:
+    """CDF_j = 1 - prod_{i<=j}(1 - lambda_i) for the r <= R loops given (CDF_R = 1), each widened to float.
 
-    lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model); CDF_j = 1 - prod_{i<=j}(1 -
-    lambda_i) for j < R and CDF_R = 1. The exit loop is the first j >= min_loops with CDF_j >= threshold
-    (R when none: a threshold above 1 always runs all loops). Returns None when loops 1..r do not decide.
+    lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model), one element at a time.
     """
     acc = acc_dtype(gate_logits.dtype)
     lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (r,)
     remaining = torch.tensor(1.0, dtype=acc)
+    cdf = []
     for j in range(1, lam.numel() + 1):
         remaining = remaining * (1 - lam[j - 1])
-        # NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
-        # threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
-        if j >= min_loops and (j == R or float(1 - remaining) >= threshold):
+        cdf.append(1.0 if j == R else float(1 - remaining))
+    return cdf
+
+
+def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
+    """The exit rule for one position (SPEC §3), given the gate logits of its first r <= R loops.
+
+    The exit loop is the first j >= min_loops with CDF_j >= threshold (R when none: a threshold above 1
+    always runs all loops). Returns None when loops 1..r do not decide.
+    NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
+    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
+    """
+    for j, cdf in enumerate(exit_cdf(gate_logits, R), 1):
+        if j >= min_loops and (j == R or cdf >= threshold):
             return j
     return None
 
 
 def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
     """CDF_r - threshold for r = 1..R (R values, CDF_R = 1), in float64: how far each loop was from exiting."""
-    acc = acc_dtype(gate_logits.dtype)
-    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (R,)
-    remaining = torch.ones((), dtype=acc)
-    cdf = []
-    for j in range(R):  # the same products, in the same order, as exit_loop
-        remaining = remaining * (1 - lam[j])
-        cdf.append(float(1 - remaining) if j < R - 1 else 1.0)
-    return torch.tensor(cdf, dtype=torch.float64) - threshold
+    return torch.tensor(exit_cdf(gate_logits, R), dtype=torch.float64) - threshold
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -816,7 +819,8 @@ def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics:
     _check_ids(tokens, model.config, "rollout tokens")
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)
-    producing = {(b, len(pr) - 1 + k) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions)) for k in range(len(c))}
+    producing = {(b, len(pr) - 1 + k) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions))
+                 for k in range(len(c))} if gates is not None else set()
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)
         if gates is not None:
@@ -973,6 +977,10 @@ class GRPOConfig:
     check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
 
 
+def _nonfinite_parameters(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.isfinite().all()][:5]
+
+
 class NonFiniteError(RuntimeError):
     """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
 
@@ -993,7 +1001,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:
         raise NonFiniteError(f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
-                             f"(non-finite parameters: {[n for n, p in model.named_parameters() if not p.isfinite().all()][:5]})")
+                             f"(non-finite parameters: {_nonfinite_parameters(model)})")
     adv = group_advantages(rewards, g.group_size, g.scale_rewards, g.adv_eps).to(model.device)  # (B,)
     mask = ro.mask.to(model.device)
     logp_old = ro.logprobs.to(model.device)
@@ -1013,7 +1021,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable
         if not bool(torch.isfinite(tf.detach()[mask]).all()):
             raise NonFiniteError(f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
-                                 f"parameters: {[n for n, p in model.named_parameters() if not p.isfinite().all()][:5]})")
+                                 f"parameters: {_nonfinite_parameters(model)})")
         if it == 0:
             value = logp_old
             if g.check_replay:
