@@ -19,42 +19,61 @@ The method in four lines:
   teacher-forced forward: `replay.detach() + (tf - tf.detach())`.
 - So GRPO's first-iteration ratios are exactly 1, in float32 and bfloat16.
 
-Why dense and deferred differ in bits under "fast" numerics, and why the replay fixes it
------------------------------------------------------------------------------------------
-Floating-point results depend on how an operation is batched, not only on its inputs. Measured on the
-CPU build of torch this project pins: a float32 matmul gives a row different bits when the call has
-1-4 rows than when it has more (different kernels, different summation order); `sigmoid` and `silu`
-take a scalar path for the tail of a tensor and a vector path for the rest, with different bits. A
-deferred rollout runs a token's loop r together with whatever earlier positions ride along, a dense
-rollout runs it with the other sequences' tokens, and a teacher-forced learner runs it with every
-position at once: three different batch shapes, so three slightly different results (~1e-6 in float32
-here; in bfloat16 on GPUs, where kernels are picked by shape, ~1e-2 is typical). The sampled tokens came from one of them; a learner that uses another is silently
-off-policy. Two fixes, both here:
-- `numerics="invariant"` computes every row on its own (each layer, one row at a time), so a row's
-  bits never depend on its call-mates: dense, deferred and teacher-forced then agree bit for bit.
-  It is slow; it is how the tests prove the algorithm, not how you train.
-- the replay: whatever the numerics, re-executing the *same* calls with the *same* rows in the *same*
-  order through the *same* function gives the same bits. The learner's value comes from there.
+Why bits differ at all: a floating-point result depends on how an operation is batched, not only on
+its inputs (kernels are picked by shape). A deferred rollout, a dense rollout and a teacher-forced
+learner batch a token's rows differently, so they get slightly different log-probs (the README,
+"Why fast numerics differ in bits", has the measurements). Two fixes, both here: `numerics="invariant"`
+computes every row on its own (slow; how the tests prove the algorithm), and the replay, which
+re-executes the *same* calls through the *same* function and so gets the *same* bits.
+
+How the file reads. Everything the method needs comes first, in this order, and nothing in it uses a
+name defined further down: config -> numerics -> model -> exit rule -> KV cache -> calls and schedules
+-> the policy (log-probs, sampling, the readout) -> rollouts -> learner log-probs -> GRPO. Then a
+banner, and below it the tooling: HF configs and checkpoints, tokenizers, data and rewards, the warm
+start, the trainer and torchrun, the oracle, the bench, the commands.
+
+What the tests (test_ref.py) prove, each with its test:
+- the model computes SPEC §2: `test_loop_outputs_match_slow_twin` (a per-position twin written from the
+  SPEC alone); checkpoints round-trip exactly: `test_checkpoint_round_trip_is_exact`;
+- the exit rule is SPEC §3's formula: `test_exit_rule_is_the_spec_formula`, and it stays undecided
+  until it decides: `test_exit_is_undecided_until_it_is_decided`;
+- replay reproduces a rollout bit for bit (dense and deferred, float32 and bfloat16):
+  `test_replay_is_bitwise`, `test_schedule_json_round_trip_replays_bitwise`;
+- under invariant numerics dense, deferred and teacher-forced agree bit for bit:
+  `test_invariant_dense_deferred_teacher_forced_bitwise`; under fast numerics, to rounding:
+  `test_fast_schedules_agree_to_rounding`; float64 rollouts equal a from-scratch recompute:
+  `test_float64_rollout_matches_full_recompute`;
+- the hybrid's value is the replay's and its gradient the teacher-forced one, bit for bit:
+  `test_hybrid_value_is_replay_and_gradient_is_teacher_forced`;
+- deferral does the work it claims: `test_each_loop_of_each_position_computed_once_in_order`,
+  `test_deferred_never_does_more_work_than_dense`, `test_deferred_step_makes_e_new_calls`;
+- GRPO's pieces are hand-checked: `test_group_advantages_hand_computed`,
+  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
 2. Sampling happens on the CPU from each sequence's own `torch.Generator`.
 3. No sliding-window attention, no RoPE scaling, no attention bias (Ouro-1.4B uses none of them).
 
-Shape letters used in comments: B sequences, T positions, N new tokens, R loops, L layers, C width
-(hidden_size), H query heads, G key/value heads, D head size, I MLP width, V vocabulary, n rows of a
-call. Loops are 1-based (1..R), positions 0-based.
+Shape letters, one meaning each: B sequences, T positions, N new tokens (completion length), R loops,
+L layers, C width (hidden_size), H query heads, KVH key/value heads, D head size, I MLP width,
+V vocabulary, n rows of a call, k rows read out in a call. Loops are 1-based (1..R), positions 0-based.
 
 Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import math
 import os
+import re
+import statistics
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,32 +87,18 @@ import torch.nn.functional as F
 # Config
 # ---------------------------------------------------------------------------------------------------
 
-# Field names follow HF Ouro's config.json, so one naming family runs from checkpoint to code.
-_HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
-    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "use_cache", "initializer_range", "attention_dropout", "max_window_layers", "sliding_window",
-    "use_sliding_window", "layer_types", "hidden_act", "rope_scaling", "attention_bias",
-    "early_exit_step", "chunk_size", "_name_or_path", "is_decoder", "output_hidden_states",
-}
-
-
-_HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves out
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "total_ut_steps": 4, "tie_word_embeddings": False,
-}
-
 
 @dataclass
 class Config:
-    """One looped model's shape. Loads tiny_configs/*.json (strict) and HF Ouro config.json files."""
+    """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from
+    checkpoint to code); HF files are translated under "HF configs and checkpoints", below the seam."""
 
-    vocab_size: int = 260
+    vocab_size: int = 260  # V
     hidden_size: int = 64  # C
     intermediate_size: int = 128  # I, the MLP width
     num_hidden_layers: int = 2  # L, layers per loop
     num_attention_heads: int = 4  # H
-    num_key_value_heads: int = 2  # G; H must be a multiple of G (GQA when G < H)
+    num_key_value_heads: int = 2  # KVH; H must be a multiple of KVH (GQA when KVH < H)
     head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
     total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro's code)
     early_exit_threshold: float = 1.0  # exit at the first loop whose exit CDF reaches this
@@ -127,14 +132,16 @@ class Config:
                                  f"'hidden_size' ({self.hidden_size}) when 'head_dim' is not given")
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {self.head_dim}")
+            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), "
+                             f"got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
                              f"'num_attention_heads' ({self.num_attention_heads})")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
         if self.early_exit_threshold is None or not math.isfinite(self.early_exit_threshold):
-            raise ValueError(f"config key 'early_exit_threshold' must be a finite number, got {self.early_exit_threshold}")
+            raise ValueError(f"config key 'early_exit_threshold' must be a finite number, "
+                             f"got {self.early_exit_threshold}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -142,40 +149,21 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> "Config":
-        """Build from a tiny-config dict (unknown keys are an error) or an HF Ouro config.json dict."""
+        """Build from a tiny-config dict; an unknown key is an error (a typo would change the model)."""
         if not isinstance(d, dict):
             raise ValueError(f"{source}: a config must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        is_hf = "model_type" in d or "architectures" in d
-        kw = {}
-        for key, value in d.items():
-            if key in known:
-                kw[key] = value
-            elif is_hf and key in _HF_IGNORED_KEYS:
-                continue
-            elif is_hf:
-                warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
-            else:
+        for key in d:
+            if key not in known:
                 raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
-        if is_hf:
-            _check_hf_semantics(d, source)
-            for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
-                kw.setdefault(key, value)
-            if kw.get("num_key_value_heads") is None:
-                kw["num_key_value_heads"] = kw["num_attention_heads"]
-            if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
-                kw["early_exit_threshold"] = 1.0
-            if kw.get("head_dim") is None:
-                kw.pop("head_dim", None)
-            if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
-                kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
         try:
-            return cls(**kw)
+            return cls(**d)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Config":
+        """Read a tiny config (tiny_configs/*.json). HF config.json files: `load_config`."""
         path = Path(path)
         try:
             d = json.loads(path.read_text())
@@ -184,25 +172,6 @@ class Config:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
         return cls.from_dict(d, str(path))
-
-    def to_hf_dict(self) -> dict:
-        """The HF Ouro config.json of this model (so HF's own code can load what we save)."""
-        d = dataclasses.asdict(self)
-        d.update(model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu",
-                 rope_scaling=None, use_sliding_window=False, attention_dropout=0.0)
-        return d
-
-
-def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements."""
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
-    if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
-    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
-    if d.get("attention_bias"):
-        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,23 +259,23 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal GQA attention over a call's rows, reading and writing one loop's slice of the KV cache."""
+    """Causal GQA attention over a call's rows, reading and writing one loop's K/V for one layer."""
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.H, self.G, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.KVH, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.G * self.D, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.G * self.D, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):
         """x (n, C); seq, pos (n,) long: the rows' sequence and position, rows of one sequence
-        contiguous and in position order; k_cache, v_cache (B, G, T, D) for this loop and layer."""
-        n, H, G, D = x.shape[0], self.H, self.G, self.D
+        contiguous and in position order; k_cache, v_cache (B, KVH, T, D) for this loop and layer."""
+        n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         q = apply_rope(self.q_proj(x).view(n, H, D), cos[pos], sin[pos])  # (n, H, D)
-        k = apply_rope(self.k_proj(x).view(n, G, D), cos[pos], sin[pos])  # (n, G, D), cached after RoPE
-        v = self.v_proj(x).view(n, G, D)  # (n, G, D)
+        k = apply_rope(self.k_proj(x).view(n, KVH, D), cos[pos], sin[pos])  # (n, KVH, D), cached after RoPE
+        v = self.v_proj(x).view(n, KVH, D)  # (n, KVH, D)
         k_cache[seq, :, pos] = k  # NOTE: written before attending: rows of one call see each other causally
         v_cache[seq, :, pos] = v
         # Pack the rows as (sequence, row-within-sequence) so each sequence attends to its own cache.
@@ -319,9 +288,12 @@ class Attention(nn.Module):
         qp[slot, j] = q  # (nb, m, H, D)
         qpos = pos.new_zeros(nb, m)
         qpos[slot, j] = pos  # (nb, m); padding rows sit at position 0 and are dropped below
-        K = k_cache[seqs, :, :Tk].repeat_interleave(H // G, dim=1)  # (nb, H, Tk, D)
-        V = v_cache[seqs, :, :Tk].repeat_interleave(H // G, dim=1)  # (nb, H, Tk, D)
+        K = k_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
+        V = v_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
         att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D ** -0.5  # (nb, H, m, Tk)
+        # The mask, for one sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
+        #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
+        #   row at pos 4:  x x x x x      this call (written above); later positions are masked
         causal = torch.arange(Tk, device=x.device)[None, None, :] <= qpos[:, :, None]  # (nb, m, Tk)
         att = att.masked_fill(~causal[:, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(x.dtype)).to(x.dtype)  # softmax in float32
@@ -342,7 +314,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):  # x (n, C) -> (n, C)
-        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin))
+        a = self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin)  # (n, C)
+        x = x + self.input_layernorm_2(a)
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -363,6 +336,12 @@ class LoopOutputs:
     gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
 
 
+def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
+        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+
+
 class LoopedLM(nn.Module):
     """Ouro's looped decoder: R passes through the same L layers, a readout and an exit gate per loop.
 
@@ -371,6 +350,8 @@ class LoopedLM(nn.Module):
         h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
     then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
     lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
+    Checkpoint I/O (`from_pretrained`, `save_pretrained`) is tooling: it is attached to this class
+    under "HF configs and checkpoints", below the seam.
     """
 
     def __init__(self, cfg: Config, *, seed: int = 0):
@@ -401,16 +382,17 @@ class LoopedLM(nn.Module):
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
-    def loop(self, x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, cache: "LoopCache", r: int,
-             numerics: str = "fast") -> torch.Tensor:
-        """One pass of a call's rows through all L layers of loop r (1-based), then the final norm.
+    def loop(self, x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, k: list[torch.Tensor],
+             v: list[torch.Tensor], numerics: str = "fast") -> torch.Tensor:
+        """One pass of some rows through all L layers of one loop, then the final norm.
 
-        x (n, C) the rows' input (embedding at loop 1, loop r-1's output after); seq, pos (n,) long.
-        Writes the rows' K/V of loop r into `cache`; returns h_r (n, C). Under "invariant" numerics each
-        layer runs one row at a time (rows in position order, so K/V are written before they are read).
+        x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); seq, pos (n,)
+        long; k, v: this loop's K/V per layer, each (B, KVH, T, D), where the rows' K/V are written.
+        Returns h (n, C). Under "invariant" numerics each layer runs one row at a time (rows in
+        position order, so a row's K/V is written before a later row of the call reads it).
         """
         cos, sin = self.rope()
-        for layer, k_cache, v_cache in zip(self.model.layers, cache.k[r - 1], cache.v[r - 1]):
+        for layer, k_cache, v_cache in zip(self.model.layers, k, v):
             x = by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
         return by_rows(numerics, self.model.norm, x)
 
@@ -423,53 +405,40 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
     def loop_outputs(self, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-        """Teacher-forced, every loop, whole batch: idx (B, T) long -> LoopOutputs (R, B, T, V), (R, B, T).
+        """The plain forward pass: every loop of every position, teacher-forced.
 
-        NOTE: this is R *calls* (one per loop, every position a row) through `execute_call`, the one
-        function every computation in this file goes through; it is defined below, under "Calls".
+        idx (B, T) long -> LoopOutputs: logits (R, B, T, V), gate_logits (R, B, T). Loop r is one pass
+        of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
         """
-        B, T = idx.shape
-        _check_ids(idx, self.config, "idx")
-        cache = LoopCache.empty(self, B, T)
+        cfg, (B, T) = self.config, idx.shape
+        _check_ids(idx, cfg, "idx")
         seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
         pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
+        h = self.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
         logits, gates = [], []
-        for r in range(1, self.config.total_ut_steps + 1):
-            h = execute_call(self, Call(r, list(zip(seq.tolist(), pos.tolist()))), idx, cache, numerics)
+        for _ in range(cfg.total_ut_steps):
+            kv_shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
+            k = [torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+            v = [torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+            h = self.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
             logits.append(self.readout(h, numerics).view(B, T, -1))
             gates.append(self.gate_logits(h, numerics).view(B, T))
         return LoopOutputs(torch.stack(logits), torch.stack(gates))
 
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "LoopedLM":
-        """Load an HF Ouro checkpoint folder (config.json + model.safetensors or sharded with an index)."""
-        return load_checkpoint(path, dtype=dtype, device=device)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json + model.safetensors in the HF Ouro layout, atomically."""
-        save_checkpoint(self, path)
-
-
-def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
-        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-
 
 # ---------------------------------------------------------------------------------------------------
-# Exit rule
+# Exit rule (and, beside it, the exit distribution that Ouro's training objective uses)
 # ---------------------------------------------------------------------------------------------------
 
 
 def exit_cdf(gate_logits: torch.Tensor, R: int) -> list[float]:
-    """CDF_j = 1 - prod_{i<=j}(1 - lambda_i) for the r <= R loops given (CDF_R = 1), each widened to float.
+    """CDF_j = 1 - prod_{i<=j}(1 - lambda_i) for the first j <= R loops given (CDF_R = 1), as floats.
 
     lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model), one element at a time.
     """
     acc = acc_dtype(gate_logits.dtype)
-    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (r,)
-    remaining = torch.tensor(1.0, dtype=acc)
+    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (j,)
+    remaining = torch.tensor(1.0, dtype=acc)  # prod (1 - lambda): the probability of not having exited
     cdf = []
     for j in range(1, lam.numel() + 1):
         remaining = remaining * (1 - lam[j - 1])
@@ -478,22 +447,34 @@ def exit_cdf(gate_logits: torch.Tensor, R: int) -> list[float]:
 
 
 def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
-    """The exit rule for one position (SPEC §3), given the gate logits of its first r <= R loops.
+    """The exit rule for one position (SPEC §3), given the gate logits of its first j <= R loops.
 
-    The exit loop is the first j >= min_loops with CDF_j >= threshold (R when none: a threshold above 1
-    always runs all loops). Returns None when loops 1..r do not decide.
+    The exit loop is the first r >= min_loops with CDF_r >= threshold (R when none: a threshold above 1
+    always runs all loops). Returns None while loops 1..j do not decide: the rollout asks after every loop.
     NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
     threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
     """
-    for j, cdf in enumerate(exit_cdf(gate_logits, R), 1):
-        if j >= min_loops and (j == R or cdf >= threshold):
-            return j
+    for r, cdf in enumerate(exit_cdf(gate_logits, R), 1):
+        if r >= min_loops and (r == R or cdf >= threshold):
+            return r
     return None
 
 
 def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
     """CDF_r - threshold for r = 1..R (R values, CDF_R = 1), in float64: how far each loop was from exiting."""
     return torch.tensor(exit_cdf(gate_logits, R), dtype=torch.float64) - threshold
+
+
+def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
+    """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
+
+    p_r = lambda_r * prod_{j<r}(1 - lambda_j) for r < R, and p_R takes the rest. The rule above exits
+    where the CDF of this distribution first reaches the threshold; Ouro's objective (the warm start)
+    weights each loop's loss by p_r.
+    """
+    lam = torch.sigmoid(gate_logits.float())  # (R, ...)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
+    return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -505,7 +486,7 @@ def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Te
 class LoopCache:
     """Everything a looped model remembers about the positions it has computed.
 
-    k, v: [loop][layer] (B, G, T, D) keys (after RoPE) and values; h (B, T, C): each position's latest
+    k, v: [loop][layer] (B, KVH, T, D) keys (after RoPE) and values; h (B, T, C): each position's latest
     loop output, the input of its next loop; depth (B, T) long: how many loops each position has done.
     NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r; that is the whole bookkeeping.
     """
@@ -555,8 +536,9 @@ class Schedule:
     kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
 
     def to_json(self) -> str:
+        calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
         return json.dumps({"mode": self.mode, "numerics": self.numerics, "dtype": self.dtype, "loops": self.loops,
-                           "kv": self.kv, "calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]})
+                           "kv": self.kv, "calls": calls})
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
@@ -579,7 +561,8 @@ class Schedule:
         if not cells:
             return f"(sequence {seq} has no rows)"
         w = max(3, len(str(len(self.calls) - 1))) + 1
-        lines = [f"{self.mode}, sequence {seq}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1))]
+        header = "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1))
+        lines = [f"{self.mode}, sequence {seq}", header]
         for p in range(max(p for p, _ in cells) + 1):
             lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, self.loops + 1)))
         return "\n".join(lines)
@@ -608,40 +591,84 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     needed = torch.arange(T, device=dev)[None, :] <= pos[:, None]  # (n, T)
     if not bool((cache.depth[seq] >= r)[needed].all()):
         raise RuntimeError(f"call at loop {r} would attend to a K/V that was never computed")
-    h = model.loop(x, seq, pos, cache, r, numerics)  # (n, C)
+    h = model.loop(x, seq, pos, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
     cache.h[seq, pos] = h
     return h
 
 
+# The KV policy: a hook, off by default (SPEC §4). "exact": every K/V a token attends to is the real
+# value at that loop (deferred positions are caught up). "last_exited": what engines that copy K/V on
+# early exit compute instead (vLLM-style): a generated position that exits at loop e serves its loop-e
+# K/V to every deeper loop and is never caught up. A *different policy*, only for checking such engines;
+# these three functions are the only places it acts.
+
 KV_MODES = ("exact", "last_exited")
 
 
-def serve_exit_kv(cache: LoopCache, rows: list[tuple[int, int]], loop: int) -> None:
-    """kv="last_exited" only: the rows (generated positions that exit at `loop`) stop for good and serve
-    their loop-`loop` K/V to every deeper loop, as engines that copy K/V on early exit do.
+def kv_prefill_is_dense(kv: str) -> bool:
+    """last_exited engines prefill every loop of the prompt, as the dense mode does."""
+    return kv == "last_exited"
 
-    NOTE: this is a *different policy* from exact KV, where a deeper loop sees the real deeper K/V. The
-    copied slots count as computed (depth R), so no call ever runs these positions again.
-    """
+
+def kv_after_readout(kv: str, cache: LoopCache, call: Call, prompt_lens: list[int]) -> None:
+    """last_exited: the generated positions read out in `call` stop for good and serve their K/V of this
+    loop to every deeper loop. The copied slots count as computed (depth R), so no call runs them again."""
+    rows = [(b, p) for b, p in call.readout if p >= prompt_lens[b]] if kv == "last_exited" else []
     if not rows:
         return
     seq = torch.tensor([b for b, _ in rows], device=cache.h.device)
     pos = torch.tensor([p for _, p in rows], device=cache.h.device)
-    for r in range(loop, len(cache.k)):  # 0-based index r is loop r + 1
+    for r in range(call.loop, len(cache.k)):  # 0-based index r is loop r + 1
         for layer in range(len(cache.k[r])):
-            cache.k[r][layer][seq, :, pos] = cache.k[loop - 1][layer][seq, :, pos]
-            cache.v[r][layer][seq, :, pos] = cache.v[loop - 1][layer][seq, :, pos]
+            cache.k[r][layer][seq, :, pos] = cache.k[call.loop - 1][layer][seq, :, pos]
+            cache.v[r][layer][seq, :, pos] = cache.v[call.loop - 1][layer][seq, :, pos]
     cache.depth[seq, pos] = len(cache.k)
+
+
+def kv_teacher_forced_runs(kv: str, p: int, prompt_len: int, exit_loop_at_p: int, r: int) -> bool:
+    """Does a teacher-forced pass compute loop r of position p? exact: always. last_exited: a generated
+    position only up to its recorded exit loop (its deeper K/V are copies)."""
+    return kv == "exact" or p < prompt_len or exit_loop_at_p >= r
+
+
+# ---------------------------------------------------------------------------------------------------
+# The policy: log-probabilities, sampling, and the readout step
+# ---------------------------------------------------------------------------------------------------
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "fast") -> torch.Tensor:
     """The policy: logits (n, V) -> log-probabilities (n, V) in float32 (float64 for a float64 model).
 
     log_softmax(float32(logits) / temperature); temperature 0 (greedy) scores with temperature 1.
-    One function, used by sampling, replay and the learner alike.
     """
     t = temperature if temperature > 0 else 1.0
     return by_rows(numerics, lambda z: torch.log_softmax(z.to(acc_dtype(z.dtype)) / t, dim=-1), logits)
+
+
+def read_out(model: LoopedLM, call: Call, h: torch.Tensor, temperature: float, numerics: str) -> torch.Tensor:
+    """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the
+    policy. h (n, C), the call's output -> log-probs (k, V).
+
+    NOTE: the rollout (which samples from these rows) and the replay (which scores the recorded tokens
+    with them) both call this, after the same `execute_call`: that is why their log-probs agree bit for bit.
+    """
+    index = {rc: i for i, rc in enumerate(call.rows)}
+    rows = [index[rc] for rc in call.readout]
+    return policy_logprobs(model.readout(h[rows], numerics), temperature, numerics)  # (k, V)
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
+    return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -> int:
+    """One draw from a (V,) log-prob row (inverse CDF with one uniform from `gen`); argmax when greedy."""
+    if temperature == 0:
+        return int(logp.argmax())
+    cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
+    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -671,18 +698,34 @@ class Rollout:
         return out.to(device) if device is not None else out
 
 
-def sequence_seed(seed: int, index: int) -> int:
-    """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
-    return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
-
-
-def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -> int:
-    """One draw from a (V,) log-prob row (inverse CDF with one uniform from `gen`); argmax when greedy."""
-    if temperature == 0:
-        return int(logp.argmax())
-    cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
-    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
+def _check_rollout_args(model: LoopedLM, prompts: list[list[int]], mode: str, numerics: str, kv: str,
+                        min_loops: int, max_new_tokens: int, temperature: float, sequence_ids) -> None:
+    """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
+    cfg, R = model.config, model.config.total_ut_steps
+    if mode not in ("dense", "deferred"):
+        raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if kv not in KV_MODES:
+        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
+    if kv == "last_exited" and mode != "deferred":
+        raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit); "
+                         "use mode='deferred'")
+    if not 1 <= min_loops <= R:
+        raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    for b, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {b} is empty")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {b}: {len(p)} tokens + {max_new_tokens} new exceed the position limit "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        _check_ids(torch.tensor(p), cfg, f"prompt {b}")
+    if sequence_ids is not None and len(sequence_ids) != len(prompts):
+        raise ValueError(f"sequence_ids has {len(sequence_ids)} entries for {len(prompts)} prompts")
 
 
 @torch.no_grad()
@@ -701,73 +744,65 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     that takes part brings *every* position up to its newest that has finished exactly r-1 loops. In
     dense mode those are only the new positions; in deferred mode they include earlier positions that
     exited before loop r and now ride along.
-    NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V of earlier
-    positions, which by the same rule were brought up to loop r no later than in this call. Loops that
-    no later token needs are never computed.
+
+    One sequence, a 3-token prompt (positions 0-2), R = 3, four new tokens whose positions exit at
+    loops 1, 3, 1, 2. Each cell is the number of the call that computed that loop of that position
+    (`Schedule.grid`); '·' was never computed:
+
+        dense                      deferred
+        pos   L1  L2  L3           pos   L1  L2  L3
+          0    0   1   2             0    0   2   3
+          1    0   1   2             1    0   2   3
+          2    0   1   2             2    0   2   3     <- exits at loop 1 in call 0
+          3    3   4   5             3    1   2   3     <- needs loops 2-3: 0-2 ride along in calls 2, 3
+          4    6   7   8             4    4   6   ·     <- exits at loop 1; loop 2 rides along in call 6
+          5    9  10  11             5    5   6   ·     <- exits at loop 2: loop 3 is never needed
+
+    Dense makes 12 calls, deferred 7, for the same tokens and log-probs (bit for bit under invariant
+    numerics). NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V
+    of earlier positions, which by the same rule were brought up to loop r no later than in this call.
 
     Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
     float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
     by (seed, sequence_ids[b]) (default: b).
     """
-    cfg, R = model.config, model.config.total_ut_steps
-    if mode not in ("dense", "deferred"):
-        raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    if kv not in KV_MODES:
-        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
-    if kv == "last_exited" and mode != "deferred":
-        raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit); use mode='deferred'")
-    if not 1 <= min_loops <= R:
-        raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    threshold = cfg.early_exit_threshold if exit_threshold is None else exit_threshold
-    B, N = len(prompts), max_new_tokens
-    for b, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {b} is empty")
-        if len(p) + N > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {b}: {len(p)} tokens + {N} new exceed the position limit "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        _check_ids(torch.tensor(p), cfg, f"prompt {b}")
-    ids = list(range(B)) if sequence_ids is None else list(sequence_ids)
-    if len(ids) != B:
-        raise ValueError(f"sequence_ids has {len(ids)} entries for {B} prompts")
-    gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in ids]
-
+    _check_rollout_args(model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids)
+    R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
+    threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
+    gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
     T = max(len(p) for p in prompts) + N
     tokens = torch.zeros(B, T, dtype=torch.long, device=model.device)  # (B, T)
     for b, p in enumerate(prompts):
         tokens[b, :len(p)] = torch.tensor(p)
     cache = LoopCache.empty(model, B, T)
-    lp_dtype = acc_dtype(model.dtype)
-    logprobs = torch.zeros(B, N, dtype=lp_dtype)
+    logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
     completions: list[list[int]] = [[] for _ in range(B)]
     exits: list[list[int]] = [[] for _ in range(B)]
     calls: list[Call] = []
     newest = [len(p) - 1 for p in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
-
     prefill = True
+    # Each pass of this loop is one step: every active sequence samples one token from its newest position
+    # (the first pass is the prefill: the newest position is the prompt's last one).
     while active:
-        gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # newest position's gate logits
-        exit_at: dict[int, int] = {}
+        gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # the newest position's gate logits
+        exit_at: dict[int, int] = {}  # sequences whose newest position has exited, and at which loop
         for r in range(1, R + 1):
-            # last_exited: prompt positions run every loop (prefill is dense); generated ones stop at exit.
-            runs_all = mode == "dense" or (kv == "last_exited" and prefill)
+            # 1) Who takes part in loop r: dense, everyone; deferred, the sequences still undecided.
+            runs_all = mode == "dense" or (prefill and kv_prefill_is_dense(kv))
             taking_part = [b for b in active if runs_all or b not in exit_at]
             if not taking_part:
-                break
+                break  # deferred: every newest position has exited; deeper loops wait until needed
+            # 2) The deferral rule (SPEC §4): a sequence that takes part brings every position up to its
+            #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
+            #    positions that exited before loop r, riding along, in position order.
             rows = [(b, int(p)) for b in taking_part
                     for p in (cache.depth[b, :newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()]
             call = Call(r, rows)
             h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-            # The exit decision for each newest position still undecided (its own gate, its own rule).
+            # 3) The exit decision of each newest position still undecided: its own gates, its own rule.
             deciding = [i for i, (b, p) in enumerate(rows) if p == newest[b] and b not in exit_at]
-            g = model.gate_logits(h[deciding], numerics) if deciding else None  # (k,)
+            g = model.gate_logits(h[deciding], numerics) if deciding else None  # (len(deciding),)
             for gi, i in enumerate(deciding):
                 b = rows[i][0]
                 gates[b].append(g[gi])
@@ -775,28 +810,27 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
                 if e is not None:
                     exit_at[b] = e
                     call.readout.append(rows[i])
-            if call.readout:  # read out, in row order, the rows that exit at this loop; then sample
-                idx = [rows.index(rc) for rc in call.readout]
-                logp = policy_logprobs(model.readout(h[idx], numerics), temperature, numerics)  # (k, V)
-                for (b, p), lp in zip(call.readout, logp):
+            # 4) Read out the rows that exit at this loop and sample each one's next token.
+            if call.readout:
+                logp = read_out(model, call, h, temperature, numerics)  # (k, V)
+                for (b, _), lp in zip(call.readout, logp):
                     tok = sample_token(lp, gens[b], temperature)
-                    k = len(completions[b])
+                    logprobs[b, len(completions[b])] = lp[tok].cpu()
                     completions[b].append(tok)
                     exits[b].append(r)
-                    logprobs[b, k] = lp[tok].cpu()
-                if kv == "last_exited":
-                    serve_exit_kv(cache, [(b, p) for b, p in call.readout if p >= len(prompts[b])], r)
+                kv_after_readout(kv, cache, call, [len(p) for p in prompts])
             calls.append(call)
+        # 5) Sequences that sampled EOS or reached N stop (their last token never enters the model); the
+        #    others append their token, which becomes the newest position of the next step.
         prefill = False
         for b in list(active):
-            k = len(completions[b])
-            if k == N or (eos_id is not None and completions[b][-1] == eos_id):
-                active.remove(b)  # done: its last token never needs to enter the model
+            if len(completions[b]) == N or (eos_id is not None and completions[b][-1] == eos_id):
+                active.remove(b)
             else:
                 newest[b] += 1
                 tokens[b, newest[b]] = completions[b][-1]
 
-    mask = torch.zeros(B, N, dtype=torch.bool)
+    mask = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
     for b in range(B):
         mask[b, :len(completions[b])] = True
     return Rollout(prompts=[list(p) for p in prompts], completions=completions, exit_loops=exits,
@@ -809,35 +843,32 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
 # ---------------------------------------------------------------------------------------------------
 
 
-def _execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
-                      gates: dict | None = None) -> torch.Tensor:
-    """Run `calls` over the rollout's tokens, teacher-forcing them; return (B, N) log-probs of the
-    recorded completion tokens, read out where the calls say (0 where mask is False). With a `gates`
-    dict, also collect {(b, p): [gate logit of each loop run]} for the completion-producing positions."""
+def execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
+                     on_call: Callable[[Call, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
+    rollout's own schedule, the teacher-forced forward when it is the dense one.
+
+    Returns (B, N) log-probs of the recorded completion tokens, read out where the calls say (0 where
+    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there).
+    """
     tokens = ro.tokens(model.device)  # (B, T)
     B, N = ro.mask.shape
     _check_ids(tokens, model.config, "rollout tokens")
     cache = LoopCache.empty(model, B, tokens.shape[1])
-    out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)
-    producing = {(b, len(pr) - 1 + k) for b, (pr, c) in enumerate(zip(ro.prompts, ro.completions))
-                 for k in range(len(c))} if gates is not None else set()
+    out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
+    prompt_lens = [len(p) for p in ro.prompts]
     for call in calls:
-        h = execute_call(model, call, tokens, cache, numerics)
-        if gates is not None:
-            idx = [i for i, rc in enumerate(call.rows) if rc in producing]
-            for i, gl in zip(idx, model.gate_logits(h[idx], numerics) if idx else []):
-                gates.setdefault(call.rows[i], []).append(gl)
+        h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+        if on_call is not None:
+            on_call(call, h)
         if not call.readout:
             continue
-        index = {rc: i for i, rc in enumerate(call.rows)}
-        logp = policy_logprobs(model.readout(h[[index[rc] for rc in call.readout]], numerics), ro.temperature,
-                               numerics)  # (k, V)
-        b = torch.tensor([b for b, _ in call.readout], device=model.device)
-        p = torch.tensor([p for _, p in call.readout], device=model.device)
-        k = p - torch.tensor([len(ro.prompts[i]) - 1 for i in b.tolist()], device=model.device)  # completion index
-        out = out.index_put((b, k), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])
-        if ro.kv == "last_exited":
-            serve_exit_kv(cache, [(b, p) for b, p in call.readout if p >= len(ro.prompts[b])], call.loop)
+        logp = read_out(model, call, h, ro.temperature, numerics)  # (k, V)
+        b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (k,)
+        p = torch.tensor([p for _, p in call.readout], device=model.device)  # (k,)
+        k = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # completion index
+        out = out.index_put((b, k), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
+        kv_after_readout(ro.kv, cache, call, prompt_lens)
     return out
 
 
@@ -849,18 +880,17 @@ def replay_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
-        return _execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics).cpu()
+        return execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics).cpu()
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
-    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided).
-    Under kv="last_exited" a generated position runs only up to its recorded exit loop (depth mask)."""
+    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
     calls = []
     for r in range(1, loops + 1):
         rows = [(b, p) for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
                 for p in range(len(pr) + len(c) - 1)
-                if ro.kv == "exact" or p < len(pr) or e[p - len(pr) + 1] >= r]
+                if kv_teacher_forced_runs(ro.kv, p, len(pr), e[p - len(pr) + 1] if p >= len(pr) else 0, r)]
         readout = [(b, len(pr) - 1 + k) for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
                    for k in range(len(e)) if e[k] == r]
         calls.append(Call(r, rows, readout))
@@ -873,20 +903,23 @@ def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast"
     for b, e in enumerate(ro.exit_loops):
         if any(not 1 <= x <= model.config.total_ut_steps for x in e):
             raise ValueError(f"sequence {b}: exit loops must be in 1..{model.config.total_ut_steps}")
-    return _execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+    return execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+
+
+def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
+    """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
+
+    NOTE: `value.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
+    is exactly 0.0 in every element, and x + 0.0 == x, so the value is `value`'s bits, always. The other
+    form, `tf + (value - tf).detach()`, is exact only while tf and value are within a factor of 2 (then
+    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
+    """
+    return value.detach() + (tf - tf.detach())
 
 
 def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
-    """The hybrid: value of the replay, gradient of the teacher-forced forward. (B, N).
-
-    NOTE: `replay.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
-    is exactly 0.0 in every element, and x + 0.0 == x, so the value is the replay's bits, always. The other form,
-    `tf + (replay - tf).detach()`, is exact only while tf and replay are within a factor of 2 (then
-    replay - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
-    """
-    replay = replay_logprobs(model, ro).to(model.device)
-    tf = teacher_forced_logprobs(model, ro, numerics)
-    return replay.detach() + (tf - tf.detach())
+    """The replay's value with the teacher-forced gradient, (B, N): `hybrid(replay, tf)`."""
+    return hybrid(replay_logprobs(model, ro).to(model.device), teacher_forced_logprobs(model, ro, numerics))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -894,6 +927,7 @@ def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> to
 # ---------------------------------------------------------------------------------------------------
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
@@ -903,14 +937,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
     not at all ("none", Dr. GRPO). std is the unbiased one, as in TRL.
     """
-    r = rewards.float().view(-1, group_size)  # (prompts, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)  # (prompts, group_size)
+    rw = rewards.float().view(-1, group_size)  # (prompts, group_size)
+    adv = rw - rw.mean(dim=1, keepdim=True)  # (prompts, group_size)
     if scale_rewards == "group":
-        adv = adv / (r.std(dim=1, keepdim=True) + eps) if group_size > 1 else adv
+        adv = adv / (rw.std(dim=1, keepdim=True) + eps) if group_size > 1 else adv
     elif scale_rewards == "batch":
-        adv = adv / (r.std() + eps) if r.numel() > 1 else adv
+        adv = adv / (rw.std() + eps) if rw.numel() > 1 else adv
     elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     return adv.reshape(-1)
 
 
@@ -930,7 +964,7 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mas
     log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
     `normaliser` overrides the token or sequence count (data parallel: the global count).
     """
-    m = mask.float()
+    m = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
     a = adv[:, None]  # (B, 1)
     term = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * a)  # (B, N)
@@ -939,18 +973,18 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mas
         if ref_logp is None:
             raise ValueError("beta > 0 needs ref_logp")
         d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
-        kl = torch.exp(d) - d - 1
+        kl = torch.exp(d) - d - 1  # (B, N)
         term = term - beta * kl
         stats["kl"] = float((kl * m).sum() / m.sum().clamp_min(1))
-    per_token = -term  # we minimise
+    per_token = -term  # (B, N); we minimise
     if loss_agg == "token_mean":
         loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
     elif loss_agg == "seq_mean_token_mean":
-        seq = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
-        loss = seq.sum() / (normaliser if normaliser is not None else seq.numel())
+        seq_means = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
+        loss = seq_means.sum() / (normaliser if normaliser is not None else seq_means.numel())
     elif loss_agg == "dr_grpo":
-        n = max_new_tokens if max_new_tokens is not None else mask.shape[1]
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * n)
+        N = max_new_tokens if max_new_tokens is not None else mask.shape[1]
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * N)
     else:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
     with torch.no_grad():
@@ -963,7 +997,7 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mas
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 8
+    group_size: int = 8  # completions per prompt
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -977,10 +1011,6 @@ class GRPOConfig:
     check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
 
 
-def _nonfinite_parameters(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if not p.isfinite().all()][:5]
-
-
 class NonFiniteError(RuntimeError):
     """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
 
@@ -989,79 +1019,326 @@ class ReplayMismatchError(RuntimeError):
     """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
 
-def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, g: GRPOConfig,
+def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, grpo: GRPOConfig,
                 numerics: str = "fast", ref_model: LoopedLM | None = None,
                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
 
-    Iteration 1: the learner's value is the sampler's recorded log-probs (exact: the weights are the
-    ones that sampled) with the teacher-forced gradient; with `check_replay` the replay is run anyway
-    and any token whose bits differ stops training. Iterations 2..mu: the hybrid, replay value.
+    Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's recorded
+    log-probs; the gradient is the teacher-forced one. With `check_replay` the replay runs anyway and
+    any token whose bits differ refuses the step. Iterations 2..mu: the hybrid of the replay (the
+    weights have moved) and the teacher-forced forward. `all_reduce` (data parallel) sums across processes.
     """
-    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
-    if bad:
-        raise NonFiniteError(f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
-                             f"(non-finite parameters: {_nonfinite_parameters(model)})")
-    adv = group_advantages(rewards, g.group_size, g.scale_rewards, g.adv_eps).to(model.device)  # (B,)
-    mask = ro.mask.to(model.device)
-    logp_old = ro.logprobs.to(model.device)
+    _check_sampled_logprobs(model, ro)
+    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
+    mask = ro.mask.to(model.device)  # (B, N)
+    logp_old = ro.logprobs.to(model.device)  # (B, N), exact
     ref_logp = None
-    if g.beta > 0:
+    if grpo.beta > 0:
         with torch.no_grad():
-            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)
-    normaliser = None
-    if all_reduce is not None:  # data parallel: normalise by global counts
-        count = mask.sum() if g.loss_agg == "token_mean" else torch.tensor(float(mask.shape[0]))
-        if g.loss_agg == "dr_grpo":
-            count = count * mask.shape[1]
-        normaliser = float(all_reduce(count.float().to(model.device)))
+            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)  # (B, N)
+    normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
     metrics: dict = {}
     clip_ratios = []
-    for it in range(g.mu):
-        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable
-        if not bool(torch.isfinite(tf.detach()[mask]).all()):
-            raise NonFiniteError(f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
-                                 f"parameters: {_nonfinite_parameters(model)})")
+    for it in range(grpo.mu):
+        # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
+        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable: the gradient's source
+        _check_finite_logprobs(model, tf, mask, it)
         if it == 0:
-            value = logp_old
-            if g.check_replay:
-                replay = replay_logprobs(model, ro).to(model.device)
-                mismatched = int(((replay != logp_old) & mask).sum())
-                metrics["exact/mismatched_tokens"] = mismatched
-                metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
-                if mismatched:
-                    raise ReplayMismatchError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
-                                       "the learner would be off-policy (is the device nondeterministic?)")
-            metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
+            value = logp_old  # exact; the audit below proves it (and refuses the step if not)
+            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, mask, grpo.check_replay))
         else:
-            value = replay_logprobs(model, ro).to(model.device)
-        logp = value.detach() + (tf - tf.detach())  # NOTE: the hybrid: value bits from `value`, gradient from tf
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=g.epsilon_low, epsilon_high=g.epsilon_high,
-                                loss_agg=g.loss_agg, ref_logp=ref_logp, beta=g.beta, normaliser=normaliser)
-        if not torch.isfinite(loss):
-            raise NonFiniteError(f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
-                                 f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)")
+            value = replay_logprobs(model, ro).to(model.device)  # the schedule, replayed with the new weights
+        logp = hybrid(value, tf)  # (B, N): value bits from `value`, gradient from tf
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=grpo.epsilon_low,
+                                epsilon_high=grpo.epsilon_high, loss_agg=grpo.loss_agg, ref_logp=ref_logp,
+                                beta=grpo.beta, normaliser=normaliser)
+        _check_finite_loss(loss, tf, mask, it)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if all_reduce is not None:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad = all_reduce(p.grad)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
+        _all_reduce_grads(model, all_reduce)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
         opt.step()
+        # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
             metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
     metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
-    r = rewards.float().view(-1, g.group_size)
-    metrics["reward"] = float(r.mean())
-    metrics["reward_std"] = float(r.std()) if r.numel() > 1 else 0.0
-    metrics["frac_reward_zero_std"] = float((r.std(dim=1) == 0).float().mean()) if g.group_size > 1 else 1.0
-    metrics["exit/mean_loops"] = float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum())))
-    metrics["completions/mean_length"] = float(ro.mask.sum(1).float().mean())
+    return metrics | _rollout_metrics(ro, rewards, grpo.group_size)
+
+
+# GRPO's guards, audit, data-parallel hooks and metrics: support for `grpo_update`, not the algorithm.
+
+
+def _nonfinite_parameters(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if not p.isfinite().all()][:5]
+
+
+def _check_sampled_logprobs(model: LoopedLM, ro: Rollout) -> None:
+    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
+    if bad:
+        raise NonFiniteError(f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
+                             f"(non-finite parameters: {_nonfinite_parameters(model)})")
+
+
+def _check_finite_logprobs(model: LoopedLM, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
+    if not bool(torch.isfinite(tf.detach()[mask]).all()):
+        raise NonFiniteError(f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
+                             f"parameters: {_nonfinite_parameters(model)})")
+
+
+def _check_finite_loss(loss: torch.Tensor, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
+    if not torch.isfinite(loss):
+        raise NonFiniteError(f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
+                             f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)")
+
+
+def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor,
+                           mask: torch.Tensor, check_replay: bool) -> dict:
+    """Replay (if asked) and compare with the sampler bit for bit; measure what a naive learner would be off."""
+    metrics = {}
+    if check_replay:
+        replay = replay_logprobs(model, ro).to(model.device)  # (B, N)
+        mismatched = int(((replay != logp_old) & mask).sum())
+        metrics["exact/mismatched_tokens"] = mismatched
+        metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
+        if mismatched:
+            raise ReplayMismatchError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
+                                      "the learner would be off-policy (is the device nondeterministic?)")
+    metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
     return metrics
+
+
+def _global_count(mask: torch.Tensor, loss_agg: str, all_reduce) -> float | None:
+    """Data parallel: the loss's normaliser counted over every process (None in one process)."""
+    if all_reduce is None:
+        return None
+    count = mask.sum() if loss_agg == "token_mean" else torch.tensor(float(mask.shape[0]))
+    if loss_agg == "dr_grpo":
+        count = count * mask.shape[1]
+    return float(all_reduce(count.float().to(mask.device)))
+
+
+def _all_reduce_grads(model: LoopedLM, all_reduce) -> None:
+    if all_reduce is not None:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = all_reduce(p.grad)
+
+
+def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
+    rw = rewards.float().view(-1, group_size)  # (prompts, group_size)
+    return {"reward": float(rw.mean()), "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
+            "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
+            "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
+            "completions/mean_length": float(ro.mask.sum(1).float().mean())}
+
+
+# ===================================================================================================
+# THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
+# all. Everything below is tooling (HF configs and checkpoints, tokenizers, data and rewards, the warm
+# start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it.
+# ===================================================================================================
+
+# ---------------------------------------------------------------------------------------------------
+# HF configs and checkpoints (the Ouro layout: config.json + safetensors, exact tensor names)
+# ---------------------------------------------------------------------------------------------------
+
+_HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "use_cache", "initializer_range", "attention_dropout", "max_window_layers", "sliding_window",
+    "use_sliding_window", "layer_types", "hidden_act", "rope_scaling", "attention_bias",
+    "early_exit_step", "chunk_size", "_name_or_path", "is_decoder", "output_hidden_states",
+}
+
+_HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves out
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "total_ut_steps": 4, "tie_word_embeddings": False,
+}
+
+
+def is_hf_config(d) -> bool:
+    return isinstance(d, dict) and ("model_type" in d or "architectures" in d)
+
+
+def config_from_hf(d: dict, source: str = "<dict>") -> Config:
+    """Translate an HF Ouro config.json dict: HF metadata is skipped, missing keys take OuroConfig's
+    defaults, and settings that would change the math this module implements are refused."""
+    _check_hf_semantics(d, source)
+    known = {f.name for f in dataclasses.fields(Config)}
+    kw = {}
+    for key, value in d.items():
+        if key in known:
+            kw[key] = value
+        elif key not in _HF_IGNORED_KEYS:
+            warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
+    for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
+        kw.setdefault(key, value)
+    if kw.get("num_key_value_heads") is None:
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+    if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
+        kw["early_exit_threshold"] = 1.0
+    if kw.get("head_dim") is None:
+        kw.pop("head_dim", None)
+    if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
+        kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+    try:
+        return Config(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _check_hf_semantics(d: dict, source: str):
+    """Refuse HF settings that would change the math this module implements."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling not in (None, {}) and (rope_scaling or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {rope_scaling!r}; only plain RoPE is implemented")
+    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') "
+                         "is not implemented")
+    if d.get("attention_bias"):
+        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
+
+
+def config_to_hf(cfg: Config) -> dict:
+    """The HF Ouro config.json of a model (so HF's own code can load what we save)."""
+    d = dataclasses.asdict(cfg)
+    d.update(model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu",
+             rope_scaling=None, use_sliding_window=False, attention_dropout=0.0)
+    return d
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """A config file of either kind: an HF Ouro config.json, or a tiny config (strict: unknown keys fail)."""
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    return config_from_hf(d, str(path)) if is_hf_config(d) else Config.from_dict(d, str(path))
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError:
+        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
+                          "pip install safetensors") from None
+    return st
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]):
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors in the HF Ouro layout, each atomically."""
+    st = _safetensors()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
+    cfg = config_to_hf(model.config) | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
+    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> LoopedLM:
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index)."""
+    st = _safetensors()
+    path = Path(path)
+    cfg = load_config(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(st.load_file(str(path / f)))
+        except Exception as e:  # a missing shard or a corrupt file: name it
+            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    model = LoopedLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
+    if missing or unexpected or misshapen:
+        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
+                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+                         f"  misshapen tensors: {misshapen}")
+    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
+    model.load_state_dict(tensors)
+    return model.to(device=device)
+
+
+
+# The HF-style entry points of the model, attached here so that the model's section needs nothing
+# from below the seam.
+LoopedLM.from_pretrained = staticmethod(load_checkpoint)
+LoopedLM.save_pretrained = save_checkpoint
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
+
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
+
+    def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
+                              "pip install tokenizers") from None
+        self._tok = Tokenizer.from_file(str(path))
+        self.eos_id = eos_id
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1081,7 +1358,6 @@ def _to_number(s: str) -> float | None:
 
 def gsm8k_answer(text: str) -> float | None:
     """The number after the last '####' in a GSM8K answer or completion, or None."""
-    import re
     found = re.findall(r"####\s*(" + _NUMBER + ")", text)
     return _to_number(found[-1]) if found else None
 
@@ -1093,7 +1369,6 @@ def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
     is a GSM8K answer ('... #### 18') or a bare number. Compared as numbers after removing ',' and '$',
     so '18.00' equals '18' and '$1,000' equals '1000'.
     """
-    import re
     gold = gsm8k_answer(reference) if "####" in reference else _to_number(reference.strip())
     if gold is None:
         raise ValueError(f"reference has no number: {reference[-60:]!r}")
@@ -1197,118 +1472,6 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checkpoints (HF Ouro layout)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _safetensors():
-    try:
-        import safetensors.torch as st
-    except ImportError:
-        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
-                          "pip install safetensors") from None
-    return st
-
-
-def _atomic_write(path: Path, write: Callable[[Path], None]):
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
-    st = _safetensors()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
-    cfg = model.config.to_hf_dict() | {"torch_dtype": str(model.dtype).removeprefix("torch.")}
-    _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
-
-
-def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> LoopedLM:
-    st = _safetensors()
-    path = Path(path)
-    cfg = Config.from_json(path / "config.json")
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors = {}
-    for f in files:
-        try:
-            tensors.update(st.load_file(str(path / f)))
-        except Exception as e:  # a missing shard or a corrupt file: name it
-            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
-    model = LoopedLM(cfg)
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
-                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
-    if missing or unexpected or misshapen:
-        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
-                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
-                         f"  misshapen tensors: {misshapen}")
-    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
-    model.load_state_dict(tensors)
-    return model.to(device=device)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
-
-    bos_id, eos_id, pad_id = 256, 257, 258
-    vocab_size = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
-
-    def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
-                              "pip install tokenizers") from None
-        self._tok = Tokenizer.from_file(str(path))
-        self.eos_id = eos_id
-        self.vocab_size = self._tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Warm start and evaluation
 # ---------------------------------------------------------------------------------------------------
 
@@ -1317,13 +1480,11 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
     """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
 
     out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
-    bool. p(r|x) is the exit distribution of the gates: p_r = lambda_r * prod_{j<r}(1 - lambda_j) for
-    r < R and the rest for r = R. The entropy bonus keeps the gate from collapsing onto one depth.
+    bool. p(r|x) is the exit distribution of the gates (`exit_distribution`, beside the exit rule).
+    The entropy bonus keeps the gate from collapsing onto one depth.
     """
     R = out.logits.shape[0]
-    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
-    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
-    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if R > 1 else survive  # (R, B, T), sums to 1
+    p = exit_distribution(out.gate_logits)  # (R, B, T), sums to 1 over loops
     ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(),
                          reduction="none").view_as(p)  # (R, B, T)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
@@ -1377,10 +1538,221 @@ def evaluate(model: LoopedLM, tok, problems: list[dict], *, mode: str = "deferre
 
 
 # ---------------------------------------------------------------------------------------------------
-# Training loop, checkpoints with trainer state
+# Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun
 # ---------------------------------------------------------------------------------------------------
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+REWARDS = ("strict", "lenient", "digits")
+HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
+CONFIGS = Path(__file__).with_name("tiny_configs")
+
+
+def _flag(default, help: str, **argparse_kw):
+    """A TrainConfig field that is also a `train` flag: its default and help live in one place."""
+    return field(default=default, metadata={"help": help, **argparse_kw})
+
+
+@dataclass
+class TrainConfig:
+    """Everything `train` needs. The `train` command builds it from its flags (one flag per field,
+    `_` written `-`); the demo builds it directly. `validate()` runs before any work starts."""
+
+    config: str = _flag(str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)")
+    model: str | None = _flag(None, "HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)")
+    data: str | None = _flag(None, "GSM8K JSONL file (default: the built-in arithmetic task)")
+    subset: int | None = _flag(None, "use a seeded random subset of this many problems")
+    steps: int = _flag(20, "GRPO steps")
+    prompts_per_step: int = _flag(8, "prompts per step (global, all processes)")
+    group_size: int = _flag(8, "completions per prompt")
+    max_new_tokens: int = _flag(16, "completion length limit")
+    temperature: float = _flag(1.0, "sampling temperature")
+    min_loops: int = _flag(1, "no position exits before this loop")
+    mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
+    numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
+    dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto")
+    seed: int = _flag(0, "seed of init, data order and sampling")
+    lr: float = _flag(1e-3, "AdamW learning rate")
+    max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)")
+    epsilon_low: float = _flag(0.2, "lower clip range")
+    epsilon_high: float = _flag(0.2, "upper clip range")
+    beta: float = _flag(0.0, "k3 KL coefficient to the starting model (0: off)")
+    scale_rewards: str = _flag("group", "advantage scaling", choices=SCALE_REWARDS)
+    loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
+    mu: int = _flag(1, "inner iterations per batch of rollouts")
+    sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config")
+    reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)",
+                        choices=REWARDS)
+    log_rollouts: bool = _flag(False, "append every rollout record to OUT/rollouts.rankN.jsonl")
+    out: str | None = _flag(None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
+    save_every: int = _flag(10, "checkpoint every N steps (and at the end)")
+    resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
+
+    def grpo(self) -> GRPOConfig:
+        return GRPOConfig(group_size=self.group_size, lr=self.lr, epsilon_low=self.epsilon_low,
+                          epsilon_high=self.epsilon_high, beta=self.beta, scale_rewards=self.scale_rewards,
+                          loss_agg=self.loss_agg, mu=self.mu, max_grad_norm=self.max_grad_norm)
+
+    def validate(self) -> None:
+        """Refuse bad settings before any work, naming the flag."""
+        def bad(name: str, why: str):
+            raise ValueError(f"--{name.replace('_', '-')} {why}, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            v, choices = getattr(self, f.name), f.metadata.get("choices")
+            if choices and v not in choices:
+                bad(f.name, f"must be one of {', '.join(choices)}")
+            if isinstance(f.default, (int, float)) and not isinstance(f.default, bool) and (
+                    not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+                bad(f.name, "must be a finite number")
+        for name in ("steps", "prompts_per_step", "group_size", "mu", "save_every", "max_new_tokens", "min_loops"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1")
+        if self.subset is not None and self.subset < 1:
+            bad("subset", "must be >= 1")
+        if self.sft_steps < 0:
+            bad("sft_steps", "must be >= 0")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        for name in ("lr", "max_grad_norm"):
+            if getattr(self, name) <= 0:
+                bad(name, "must be > 0")
+        if not 0 <= self.epsilon_low < 1:
+            bad("epsilon_low", "must be in [0, 1)")
+        if self.epsilon_high < 0:
+            bad("epsilon_high", "must be >= 0")
+        if self.beta < 0:
+            bad("beta", "must be >= 0")
+        if self.resume and not self.out:
+            raise ValueError("--resume needs --out (the folder to resume from)")
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
+
+    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
+    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
+    """
+    cfg.validate()
+    dist = _distributed_setup(cfg)
+    rank, world = dist["rank"], dist["world"]
+    if cfg.prompts_per_step % world:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of "
+                         f"processes {world}")
+    say = log if rank == 0 else (lambda *_: None)
+    device = torch.device(cfg.device if cfg.device != "auto" else
+                          (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu"))
+    out = Path(cfg.out) if cfg.out else None
+    if cfg.resume and not (out / "trainer_state.pt").exists():
+        raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
+    model, tok = _load_policy(cfg)
+    problems = _load_problems(cfg, tok, model.config)
+    grpo = cfg.grpo()
+    start_step, opt_state, ref_state = 0, None, None
+    if cfg.resume:
+        start_step, opt_state, ref_state = _load_trainer_state(out / "trainer_state.pt", model)
+        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
+    elif cfg.sft_steps and not cfg.model:
+        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
+    model = model.to(dtype=DTYPES[cfg.dtype], device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    if on_start is not None:
+        on_start(model, tok)
+    ref = None
+    if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
+        ref = LoopedLM(model.config).to(dtype=model.dtype, device=device)
+        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
+    if out:
+        _truncate_logs(out, rank, start_step)
+    t_run = time.time()
+    history = []
+    for step in range(start_step, cfg.steps):
+        try:
+            m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
+        except (NonFiniteError, ReplayMismatchError) as e:
+            last = out / "trainer_state.pt" if out else None
+            where = (f"{last} (step {torch.load(last, weights_only=False)['step']})" if last and last.exists()
+                     else "no checkpoint was written yet")
+            say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+                "Try a lower --lr, float32, or a smaller --max-grad-norm.")
+            raise
+        history.append(m)
+        if rank == 0:
+            eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
+            say(f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
+                f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}")
+            if out:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(m) + "\n")
+            if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                save_trainer_state(out, model, opt, step + 1, {"args": dataclasses.asdict(cfg),
+                                                               "reference": ref.state_dict() if ref else None})
+    if dist["world"] > 1:
+        torch.distributed.destroy_process_group()
+    return {"model": model, "tokenizer": tok, "history": history}
+
+
+def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict,
+                out: Path | None) -> dict:
+    """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
+    rank, world, grpo = dist["rank"], dist["world"], cfg.grpo()
+    P, G = cfg.prompts_per_step, cfg.group_size
+    t0 = time.time()
+    pick = torch.randint(len(problems), (P,), generator=torch.Generator().manual_seed(
+        sequence_seed(cfg.seed, -1 - step) % 2**62)).tolist()
+    mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
+    batch = [problems[pick[i]] for i in mine for _ in range(G)]
+    gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
+    ro = rollout(model, [encode_problem(tok, p)[0] for p in batch], mode=cfg.mode, numerics=cfg.numerics,
+                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                 eos_id=tok.eos_id, sequence_ids=gids, min_loops=cfg.min_loops)
+    texts = [tok.decode(c) for c in ro.completions]
+    rewards = torch.tensor([reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)])
+    accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
+    if cfg.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
+        with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
+            for gid, rec in zip(gids, rollout_records(ro)):
+                f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
+    t1 = time.time()
+    m = grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
+    dt = time.time() - t0
+    m["accuracy"] = accuracy
+    if dist["all_reduce"] is not None:  # report global figures
+        for key in ("reward", "accuracy", "exit/mean_loops"):
+            m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=model.device))) / world
+    m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
+             tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1))
+    return m
+
+
+def _load_policy(cfg: TrainConfig):
+    """The model (float32, CPU: cast after the warm start) and its tokenizer."""
+    if cfg.model:
+        model = LoopedLM.from_pretrained(cfg.model, dtype=torch.float32, device="cpu")
+        tok_path = Path(cfg.model) / "tokenizer.json"
+        tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
+    else:
+        model = LoopedLM(load_config(cfg.config), seed=cfg.seed)
+        tok = ByteTokenizer()
+    if tok.eos_id is None:
+        raise ValueError("the tokenizer has no EOS id (set eos_token_id in config.json)")
+    return model, tok
+
+
+def _load_problems(cfg: TrainConfig, tok, model_cfg: Config) -> list[dict]:
+    """The training problems, each checked to fit the position limit with its completion."""
+    problems = (gsm8k_load(cfg.data, subset=cfg.subset, seed=cfg.seed) if cfg.data
+                else arithmetic_problems(cfg.subset or 2000, seed=cfg.seed))
+    limit = model_cfg.max_position_embeddings
+    for p in problems:
+        n = len(encode_problem(tok, p)[0]) + cfg.max_new_tokens
+        if n > limit:
+            where = f"{cfg.data}:{p['index'] + 1}" if cfg.data else f"built-in problem {p['index']}"
+            raise ValueError(f"{where}: prompt of {n - cfg.max_new_tokens} tokens + {cfg.max_new_tokens} new "
+                             f"exceeds the position limit max_position_embeddings={limit}")
+    return problems
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
@@ -1393,146 +1765,38 @@ def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, s
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
+def _load_trainer_state(path: Path, model: LoopedLM):
+    """Load weights and the global RNG from a trainer_state.pt; return (step, optimizer state, reference)."""
+    try:
+        state = torch.load(path, weights_only=False)
+        model.load_state_dict(state["model"])
+    except Exception as e:  # a truncated or foreign file: say which
+        raise ValueError(f"{path}: cannot resume from it ({e})") from None
+    torch.set_rng_state(state["torch_rng"])
+    return state["step"], state["optimizer"], state["extra"].get("reference")
+
+
+def _truncate_logs(out: Path, rank: int, start_step: int) -> None:
+    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:
+        if log_file.exists() and (rank == 0 or log_file != metrics_path):
+            keep = [x for x in log_file.read_text().splitlines() if json.loads(x)["step"] <= start_step]
+            _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
+
+
 def _fmt_time(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
-def train(args, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
-
-    `args` are the `train` command's flags. `on_start(model, tok)` runs after the warm start, before
-    the first GRPO step (the demo measures its "before" accuracy there)."""
-    import time
-    dist = _distributed_setup(args)
-    rank, world = dist["rank"], dist["world"]
-    say = log if rank == 0 else (lambda *_: None)
-    device = torch.device(args.device if args.device != "auto" else
-                          (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype]
-    out = Path(args.out) if args.out else None
-    g = GRPOConfig(group_size=args.group_size, lr=args.lr, epsilon_low=args.epsilon_low,
-                   epsilon_high=args.epsilon_high, beta=args.beta, scale_rewards=args.scale_rewards,
-                   loss_agg=args.loss_agg, mu=args.mu, max_grad_norm=args.max_grad_norm)
-    if args.model:
-        model = LoopedLM.from_pretrained(args.model, dtype=torch.float32, device="cpu")
-        tok_path = Path(args.model) / "tokenizer.json"
-        tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
-    else:
-        model = LoopedLM(Config.from_json(args.config), seed=args.seed)
-        tok = ByteTokenizer()
-    if tok.eos_id is None:
-        raise ValueError("the tokenizer has no EOS id (set eos_token_id in config.json)")
-    problems = (gsm8k_load(args.data, subset=args.subset, seed=args.seed) if args.data
-                else arithmetic_problems(args.subset or 2000, seed=args.seed))
-    limit = model.config.max_position_embeddings
-    for p in problems:
-        n = len(encode_problem(tok, p)[0]) + args.max_new_tokens
-        if n > limit:
-            where = f"{args.data}:{p['index'] + 1}" if args.data else f"built-in problem {p['index']}"
-            raise ValueError(f"{where}: prompt of {n - args.max_new_tokens} tokens + {args.max_new_tokens} new "
-                             f"exceeds the position limit max_position_embeddings={limit}")
-    start_step = 0
-    opt_state = None
-    ref_state = None
-    if args.resume and not (out and (out / "trainer_state.pt").exists()):
-        raise ValueError(f"--resume: no {Path(args.out or '.') / 'trainer_state.pt'} to resume from")
-    if args.resume:
-        try:
-            state = torch.load(out / "trainer_state.pt", weights_only=False)
-            model.load_state_dict(state["model"])
-        except Exception as e:  # a truncated or foreign file: say which
-            raise ValueError(f"{out / 'trainer_state.pt'}: cannot resume from it ({e})") from None
-        ref_state = state["extra"].get("reference")
-        opt_state, start_step = state["optimizer"], state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
-    elif args.sft_steps and not args.model:
-        sft_warm_start(model, tok, problems, steps=args.sft_steps, seed=args.seed, log=say)
-    model = model.to(dtype=dtype, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=g.weight_decay)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
-    if on_start is not None:
-        on_start(model, tok)
-    ref = None
-    if g.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
-        ref = LoopedLM(model.config).to(dtype=dtype, device=device)
-        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
-    for flag in ("steps", "prompts_per_step", "group_size", "mu", "save_every", "max_new_tokens"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    P, G = args.prompts_per_step, g.group_size
-    if P % world:
-        raise ValueError(f"--prompts-per-step {P} must be divisible by the number of processes {world}")
-    metrics_path = out / "metrics.jsonl" if out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:  # logs continue the checkpoint
-            if log_file.exists() and (rank == 0 or log_file != metrics_path):
-                keep = [x for x in log_file.read_text().splitlines() if json.loads(x)["step"] <= start_step]
-                _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
-    t_run = time.time()
-    history = []
-    for step in range(start_step, args.steps):
-        t0 = time.time()
-        pick = torch.randint(len(problems), (P,), generator=torch.Generator().manual_seed(
-            sequence_seed(args.seed, -1 - step) % 2**62)).tolist()
-        mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
-        batch = [problems[pick[i]] for i in mine for _ in range(G)]
-        gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
-        ro = rollout(model, [encode_problem(tok, p)[0] for p in batch], mode=args.mode, numerics=args.numerics,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                     eos_id=tok.eos_id, sequence_ids=gids, min_loops=args.min_loops)
-        texts = [tok.decode(c) for c in ro.completions]
-        rewards = torch.tensor([reward_fn(t, p["answer"], args.reward) for p, t in zip(batch, texts)])
-        accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
-        if args.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
-            with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
-                for gid, rec in zip(gids, rollout_records(ro)):
-                    f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-        t1 = time.time()
-        try:
-            m = grpo_update(model, opt, ro, rewards, g, args.numerics, ref, dist["all_reduce"])
-        except (NonFiniteError, ReplayMismatchError) as e:
-            last = out / "trainer_state.pt" if out else None
-            where = (f"{last} (step {torch.load(last, weights_only=False)['step']})" if last and last.exists()
-                     else "no checkpoint was written yet")
-            say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
-                "Try a lower --lr, float32, or a smaller --max-grad-norm.")
-            raise
-        dt = time.time() - t0
-        m["accuracy"] = accuracy
-        if dist["all_reduce"] is not None:  # report global figures
-            for key in ("reward", "accuracy", "exit/mean_loops"):
-                m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=device))) / world
-        m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
-                 tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1))
-        history.append(m)
-        if rank == 0:
-            eta = (time.time() - t_run) / (step + 1 - start_step) * (args.steps - step - 1)
-            say(f"step {step + 1}/{args.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
-                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-                f"{m['tokens_per_second']:.0f} tok/s  {dt:.1f}s/step  ETA {_fmt_time(eta)}")
-            if metrics_path:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(m) + "\n")
-            if out and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                save_trainer_state(out, model, opt, step + 1, {"args": vars(args),
-                                                               "reference": ref.state_dict() if ref else None})
-    if dist["world"] > 1:
-        torch.distributed.destroy_process_group()
-    return {"model": model, "tokenizer": tok, "history": history}
-
-
-def _distributed_setup(args) -> dict:
+def _distributed_setup(cfg: TrainConfig) -> dict:
     """torchrun sets WORLD_SIZE/RANK; plain `python` stays single-process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
     import torch.distributed as tdist
-    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
     tdist.init_process_group(backend)
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -1615,9 +1879,15 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
     ro = Rollout(prompts=[rec["prompt_ids"]], completions=[rec["completion_ids"]], exit_loops=[rec["exit_loops"]],
                  logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
                  mask=torch.ones(1, n, dtype=torch.bool), schedule=None, temperature=rec["temperature"], kv=kv)
-    gates: dict = {}
+    producing = {(0, len(rec["prompt_ids"]) - 1 + k) for k in range(n)}  # the positions that sampled a token
+    gates: dict = {}  # {(0, position): [gate logit of each loop run]}
+
+    def collect_gates(call: Call, h: torch.Tensor) -> None:
+        idx = [i for i, rc in enumerate(call.rows) if rc in producing]
+        for i, gl in zip(idx, model.gate_logits(h[idx]) if idx else []):
+            gates.setdefault(call.rows[i], []).append(gl)
     with torch.no_grad():
-        lp = _execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", gates)[0].cpu().double()
+        lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates)[0].cpu().double()
     diff = (lp - ro.logprobs[0]).abs()
     violations = []
     for k, e in enumerate(rec["exit_loops"]):
@@ -1638,7 +1908,7 @@ def cmd_verify(args) -> int:
         model = _load_model_arg(args, dtype)
         records = read_records(args.rollouts, model.config)
     except ValueError as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     summary = {"sequences": len(records), "tokens": 0, "max_abs_diff": 0.0, "mismatched_tokens": 0,
                "exit_rule_violations": 0, "first_mismatch": None}
@@ -1673,7 +1943,7 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if getattr(args, "model", None):
         return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
-    return LoopedLM(Config.from_json(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
+    return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
 def cmd_rollout(args) -> int:
@@ -1738,10 +2008,8 @@ def _peak_memory_mb(device: torch.device) -> float:
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
     removes, in bfloat16 and float32. Alternating repeats, medians."""
-    import statistics
-    import time
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = Config.from_json(args.config)
+    cfg = load_config(args.config)
     base = LoopedLM(cfg, seed=args.seed)
     with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes most tokens exit early
         base.model.early_exit_gate.bias.fill_(args.gate_bias)
@@ -1823,11 +2091,11 @@ def cmd_bench(args) -> int:
         # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
         with torch.no_grad():
             naive = teacher_forced_logprobs(model, ro)
-            hybrid = learner_logprobs(model, ro)
+            hyb = learner_logprobs(model, ro)
         m = ro.mask.to(device)
         d = (naive - ro.logprobs.to(device)).abs()[m]
         clipped = ((torch.exp(naive - ro.logprobs.to(device)) - 1).abs() > 0.2)[m].float().mean()
-        dh = (hybrid - ro.logprobs.to(device)).abs()[m]
+        dh = (hyb - ro.logprobs.to(device)).abs()[m]
         summary[f"naive_max_abs_diff{suffix}"] = float(d.max())
         rows.append((dtype_name, "naive learner vs sampler", f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
                      f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"))
@@ -1857,58 +2125,50 @@ def cmd_bench(args) -> int:
 
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="GRPO with exact log-probs (torchrun for several processes)",
+    """The `train` flags: one per TrainConfig field, with its default and help."""
+    p = sub.add_parser("train", formatter_class=HELP, help="GRPO with exact log-probs (torchrun for several processes)",
                        description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
                                    "or the built-in arithmetic task. Run under torchrun for data parallel.")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "tiny.json"),
-                     help="model config JSON (random init + warm start)")
-    src.add_argument("--model", help="HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--data", help="GSM8K JSONL file (default: the built-in arithmetic task)")
-    p.add_argument("--subset", type=int, help="use a seeded random subset of this many problems")
-    p.add_argument("--steps", type=int, default=20, help="GRPO steps")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step (global, all processes)")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="completion length limit")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
-    p.add_argument("--mode", choices=("dense", "deferred"), default="deferred", help="rollout mode")
-    p.add_argument("--numerics", choices=NUMERICS, default="fast", help="row numerics (invariant: slow, batch-proof)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="model dtype")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--seed", type=int, default=0, help="seed of init, data order and sampling")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
-    p.add_argument("--epsilon-low", type=float, default=0.2, help="lower clip range")
-    p.add_argument("--epsilon-high", type=float, default=0.2, help="upper clip range")
-    p.add_argument("--beta", type=float, default=0.0, help="k3 KL coefficient to the starting model (0: off)")
-    p.add_argument("--scale-rewards", choices=("group", "batch", "none"), default="group", help="advantage scaling")
-    p.add_argument("--loss-agg", choices=LOSS_AGGREGATIONS, default="token_mean", help="loss aggregation")
-    p.add_argument("--mu", type=int, default=1, help="inner iterations per batch of rollouts")
-    p.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (Ouro objective) when starting from --config")
-    p.add_argument("--reward", choices=("strict", "lenient", "digits"), default="strict",
-                   help="reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)")
-    p.add_argument("--log-rollouts", action="store_true", help="append every rollout record to OUT/rollouts.rankN.jsonl")
-    p.add_argument("--out", help="output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
-    p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/trainer_state.pt")
+    for f in dataclasses.fields(TrainConfig):
+        kw = dict(f.metadata, default=f.default)
+        if isinstance(f.default, bool):
+            kw["action"] = "store_true"
+        elif "choices" not in kw and f.type != "str" and f.type != "str | None":
+            kw["type"] = {"int": int, "int | None": int, "float": float}[f.type]
+        (src if f.name in ("config", "model") else p).add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The `train` command's flags as a TrainConfig (validated)."""
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    cfg.validate()
+    return cfg
 
 
 def cmd_train(args) -> int:
+    cfg = train_config_from_args(args)
     try:
-        result = train(args)
+        result = train(cfg)
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     h = result["history"]
     print(json.dumps({"steps": len(h), "reward_last": h[-1]["reward"] if h else None,
                       "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
-                      "out": args.out}))
+                      "out": cfg.out}))
     return 0
 
 
 def cmd_demo(args) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
-    import time
+    for name in ("problems", "eval_problems"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    cfg = TrainConfig(config=args.config, steps=args.steps, sft_steps=args.sft_steps, subset=args.problems,
+                      prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr, mu=args.mu,
+                      seed=args.seed, max_new_tokens=args.max_new_tokens, mode="deferred", device="cpu",
+                      out=args.out, save_every=10**9)  # one checkpoint, at the end
+    cfg.validate()
     t0 = time.time()
     pool = arithmetic_problems(args.problems, seed=args.seed)
     seen = {p["question"] for p in pool}
@@ -1921,16 +2181,8 @@ def cmd_demo(args) -> int:
         print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} "
               f"({len(held_out)} problems)")
 
-    parser = build_parser()
-    targs = parser.parse_args(["train", "--config", args.config, "--steps", str(args.steps), "--sft-steps",
-                               str(args.sft_steps), "--prompts-per-step", str(args.prompts_per_step),
-                               "--group-size", str(args.group_size), "--lr", str(args.lr), "--seed", str(args.seed),
-                               "--mu", str(args.mu),
-                               "--max-new-tokens", str(args.max_new_tokens), "--subset", str(args.problems),
-                               "--mode", "deferred", "--device", "cpu", "--save-every", str(10 ** 9)]
-                              + (["--out", args.out] if args.out else []))
     try:
-        result = train(targs, on_start=on_start)
+        result = train(cfg, on_start=on_start)
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
@@ -1994,13 +2246,12 @@ def _model_flags(p, dtype_default: str) -> None:
 
 
 def build_parser():
-    import argparse
     parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
+    d = sub.add_parser("demo", formatter_class=HELP, help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
                        description="From nothing: warm start on the built-in arithmetic task, held-out greedy "
                                    "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.")
-    d.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "demo.json"),
+    d.add_argument("--config", default=str(CONFIGS / "demo.json"),
                    help="model config")
     d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
     d.add_argument("--steps", type=int, default=60, help="GRPO steps")
@@ -2014,7 +2265,7 @@ def build_parser():
     d.add_argument("--seed", type=int, default=0, help="seed of everything")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
-    r = sub.add_parser("rollout", help="sample completions and write rollout records (JSONL)",
+    r = sub.add_parser("rollout", formatter_class=HELP, help="sample completions and write rollout records (JSONL)",
                        description="Sample completions and write one record per sequence: prompt_ids, "
                                    "completion_ids, exit_loops (1-based), logprobs, temperature.")
     _model_flags(r, "float32")
@@ -2026,7 +2277,7 @@ def build_parser():
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (sequence i draws from seed and i)")
-    v = sub.add_parser("verify", help="check another implementation's rollout records against this reference",
+    v = sub.add_parser("verify", formatter_class=HELP, help="check another implementation's rollout records against this reference",
                        description="Recompute every recorded token's log-prob at its recorded exit loop "
                                    "(teacher-forced) and check every exit loop against the exit rule. Exit "
                                    "status 0: all within tolerance; 1: mismatches; 2: bad input.")
@@ -2035,11 +2286,11 @@ def build_parser():
     v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
     v.add_argument("--flip-margin", type=float, default=1e-3,
                    help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip")
-    bp = sub.add_parser("bench", help="dense vs deferred throughput, replay, learner and cache costs",
+    bp = sub.add_parser("bench", formatter_class=HELP, help="dense vs deferred throughput, replay, learner and cache costs",
                         description="Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
                                     "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
                                     "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.")
-    bp.add_argument("--config", default=str(Path(__file__).with_name("tiny_configs") / "bench.json"), help="model config")
+    bp.add_argument("--config", default=str(CONFIGS / "bench.json"), help="model config")
     bp.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
     bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
@@ -2053,14 +2304,13 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import sys
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they happen, even through a pipe
     try:
         return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
                 "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad input: a clear message, no traceback
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

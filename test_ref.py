@@ -275,7 +275,7 @@ def _write_hf_checkpoint(path: Path, cfg: S.Config, files: dict[str, dict[str, t
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    (path / "config.json").write_text(json.dumps(S.config_to_hf(cfg)))
     for name, tensors in files.items():
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / name))
     if len(files) > 1:
@@ -854,7 +854,7 @@ def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
     rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
     assert rc == 2
     with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
-        S.train(S.build_parser().parse_args(["train", "--config", TINY_JSON, "--data", str(path), "--device", "cpu"]))
+        S.train(S.TrainConfig(config=TINY_JSON, data=str(path), device="cpu"))
 
 
 def test_builtin_problems_are_seeded_and_scored():
