@@ -771,14 +771,10 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
     threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
     T = max(len(p) for p in prompts) + N
-    tokens = torch.zeros(B, T, dtype=torch.long, device=model.device)  # (B, T)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.tensor(p)
+    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=model.device)  # (B, T) long
     cache = LoopCache.empty(model, B, T)
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
-    completions: list[list[int]] = [[] for _ in range(B)]
-    exits: list[list[int]] = [[] for _ in range(B)]
-    calls: list[Call] = []
+    completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], []  # tokens, exit loops, calls
     newest = [len(p) - 1 for p in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
     prefill = True
@@ -829,10 +825,7 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
             else:
                 newest[b] += 1
                 tokens[b, newest[b]] = completions[b][-1]
-
-    mask = torch.zeros(B, N, dtype=torch.bool)  # (B, N)
-    for b in range(B):
-        mask[b, :len(completions[b])] = True
+    mask = torch.tensor([[k < len(c) for k in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
     return Rollout(prompts=[list(p) for p in prompts], completions=completions, exit_loops=exits,
                    logprobs=logprobs, mask=mask, schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
                    temperature=temperature, kv=kv)
@@ -1019,57 +1012,8 @@ class ReplayMismatchError(RuntimeError):
     """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
 
-def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, grpo: GRPOConfig,
-                numerics: str = "fast", ref_model: LoopedLM | None = None,
-                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
-    """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
-
-    Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's recorded
-    log-probs; the gradient is the teacher-forced one. With `check_replay` the replay runs anyway and
-    any token whose bits differ refuses the step. Iterations 2..mu: the hybrid of the replay (the
-    weights have moved) and the teacher-forced forward. `all_reduce` (data parallel) sums across processes.
-    """
-    _check_sampled_logprobs(model, ro)
-    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
-    mask = ro.mask.to(model.device)  # (B, N)
-    logp_old = ro.logprobs.to(model.device)  # (B, N), exact
-    ref_logp = None
-    if grpo.beta > 0:
-        with torch.no_grad():
-            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)  # (B, N)
-    normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
-    metrics: dict = {}
-    clip_ratios = []
-    for it in range(grpo.mu):
-        # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable: the gradient's source
-        _check_finite_logprobs(model, tf, mask, it)
-        if it == 0:
-            value = logp_old  # exact; the audit below proves it (and refuses the step if not)
-            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, mask, grpo.check_replay))
-        else:
-            value = replay_logprobs(model, ro).to(model.device)  # the schedule, replayed with the new weights
-        logp = hybrid(value, tf)  # (B, N): value bits from `value`, gradient from tf
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=grpo.epsilon_low,
-                                epsilon_high=grpo.epsilon_high, loss_agg=grpo.loss_agg, ref_logp=ref_logp,
-                                beta=grpo.beta, normaliser=normaliser)
-        _check_finite_loss(loss, tf, mask, it)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        _all_reduce_grads(model, all_reduce)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
-        opt.step()
-        # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
-        clip_ratios.append(stats["clip_ratio"])
-        if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
-            metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
-    metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
-    return metrics | _rollout_metrics(ro, rewards, grpo.group_size)
-
-
-# GRPO's guards, audit, data-parallel hooks and metrics: support for `grpo_update`, not the algorithm.
+# GRPO's guards, its audit of iteration 1, the data-parallel hooks and the metrics: support that
+# `grpo_update` (next) calls in one line each, so that its loop shows only the algorithm.
 
 
 def _nonfinite_parameters(model: nn.Module) -> list[str]:
@@ -1134,6 +1078,56 @@ def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dic
             "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
             "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
             "completions/mean_length": float(ro.mask.sum(1).float().mean())}
+
+
+def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, grpo: GRPOConfig,
+                numerics: str = "fast", ref_model: LoopedLM | None = None,
+                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+    """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
+
+    Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's recorded
+    log-probs; the gradient is the teacher-forced one. With `check_replay` the replay runs anyway and
+    any token whose bits differ refuses the step. Iterations 2..mu: the hybrid of the replay (the
+    weights have moved) and the teacher-forced forward. `all_reduce` (data parallel) sums across processes.
+    """
+    _check_sampled_logprobs(model, ro)
+    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
+    mask = ro.mask.to(model.device)  # (B, N)
+    logp_old = ro.logprobs.to(model.device)  # (B, N), exact
+    ref_logp = None
+    if grpo.beta > 0:
+        with torch.no_grad():
+            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)  # (B, N)
+    normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
+    metrics: dict = {}
+    clip_ratios = []
+    for it in range(grpo.mu):
+        # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
+        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable: the gradient's source
+        _check_finite_logprobs(model, tf, mask, it)
+        if it == 0:
+            value = logp_old  # exact; the audit below proves it (and refuses the step if not)
+            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, mask, grpo.check_replay))
+        else:
+            value = replay_logprobs(model, ro).to(model.device)  # the schedule, replayed with the new weights
+        logp = hybrid(value, tf)  # (B, N): value bits from `value`, gradient from tf
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=grpo.epsilon_low,
+                                epsilon_high=grpo.epsilon_high, loss_agg=grpo.loss_agg, ref_logp=ref_logp,
+                                beta=grpo.beta, normaliser=normaliser)
+        _check_finite_loss(loss, tf, mask, it)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        _all_reduce_grads(model, all_reduce)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
+        opt.step()
+        # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
+        clip_ratios.append(stats["clip_ratio"])
+        if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
+            metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
+    metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
+    return metrics | _rollout_metrics(ro, rewards, grpo.group_size)
 
 
 # ===================================================================================================
