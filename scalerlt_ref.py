@@ -55,6 +55,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +85,102 @@ _HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves
 }
 
 
+# Limits on JSON input, checked before parsing: deeper nesting overflows Python's stack inside json,
+# and longer numbers hit Python's 4300-digit int conversion limit or overflow a float far from their line.
+JSON_MAX_DEPTH = 64
+JSON_MAX_NUMBER_DIGITS = 100
+_JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+
+
+def _is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is finite; an int too large for a float is not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def _check_path(path: str | os.PathLike, kind: str, what: str) -> Path:
+    """`path` as a Path; a one-line ValueError unless it exists and is a "file" or a "folder"."""
+    try:
+        path = Path(path)
+        exists, is_file, is_dir = path.exists(), path.is_file(), path.is_dir()
+    except (OSError, ValueError) as e:  # an embedded NUL byte, a name too long, ...
+        raise ValueError(f"{what}: {str(path)!r} is not a usable path ({e})") from None
+    if not exists:
+        raise ValueError(f"{what}: {path}: no such {kind}")
+    if (kind == "file" and not is_file) or (kind == "folder" and not is_dir):
+        raise ValueError(f"{what}: {path} is not a {kind}")
+    return path
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A whole UTF-8 file as text; a missing file, a folder or bad bytes is a ValueError naming the line."""
+    data = _check_path(path, "file", what).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(bytes([10]), 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}: not valid UTF-8 ({e.reason})") from None
+
+
+def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = None):
+    """json.loads of `text` (line `lineno` of `path`, or the whole file) with limits on nesting depth and
+    number length; every problem is a ValueError naming the file and line."""
+    where = f"{path}:{lineno}" if lineno else f"{path}"
+    bare = _JSON_STRING.sub(lambda m: '"' + " " * (len(m.group()) - 2) + '"', text)  # same offsets, no strings
+    line_of = (lambda i: "") if lineno else (lambda i: f" line {text.count(chr(10), 0, i) + 1}:")
+    depth = 0
+    for m in re.finditer(r"[\[\]{}]", bare):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > JSON_MAX_DEPTH:
+            raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
+    m = re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare)
+    if m:
+        raise ValueError(f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
+                         f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
+    except RecursionError:  # NOTE: unreachable after the depth check; kept so no input can give a traceback
+        raise ValueError(f"{where}: JSON nested too deeply") from None
+
+
+# The largest model (parameters and the caches of one sequence) a config may ask for, checked with
+# Python integers before anything is allocated: a typo such as a 10**9 vocabulary is refused in
+# milliseconds instead of exhausting memory. Counted at 8 bytes a number (float64, the widest dtype here).
+MAX_MODEL_BYTES = 64 * 2**30
+# NOTE: the KV cache is counted for one sequence of at most this many positions, not for
+# max_position_embeddings: Ouro-1.4B's 65536 positions would need ~100 GB of cache for a length no run
+# here reaches, while its parameters and a 4096-position cache need ~24 GB.
+KV_BUDGET_POSITIONS = 4096
+
+
+def _config_bytes(cfg) -> dict[str, int]:
+    """Bytes (at 8 a number) of a config's parameters, RoPE tables and one sequence's caches."""
+    V, C, I, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    H, G, R = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.total_ut_steps
+    D = cfg.head_dim or C // H
+    T = min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
+    layer = C * H * D * 2 + C * G * D * 2 + 3 * C * I + 4 * C  # q, o; k, v; MLP; the four norms
+    params = 2 * V * C + L * layer + C + C + 1  # embedding, head, layers, final norm, exit gate
+    return {"parameters": 8 * params, "rope": 8 * 2 * cfg.max_position_embeddings * D,
+            "kv_cache": 8 * (2 * R * L * G * T * D + T * C)}
+
+
+def _check_config_size(cfg) -> None:
+    """Refuse, before any allocation, a config whose model would need more than MAX_MODEL_BYTES."""
+    need = _config_bytes(cfg)
+    if sum(need.values()) > MAX_MODEL_BYTES:
+        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+        raise ValueError(f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
+                         f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
+                         f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)")
+
+
 @dataclass
 class Config:
     """One looped model's shape. Loads tiny_configs/*.json (strict) and HF Ouro config.json files."""
@@ -111,8 +208,10 @@ class Config:
             v = getattr(self, f.name)
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
-            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-                raise ValueError(f"config key {f.name!r} must be a number, got {v!r}")
+            if f.type == "float" and not _is_finite_number(v):
+                raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
             if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -139,6 +238,9 @@ class Config:
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
                 raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{self.vocab_size - 1}")
+        if self.initializer_range < 0:
+            raise ValueError(f"config key 'initializer_range' must be >= 0, got {self.initializer_range}")
+        _check_config_size(self)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> "Config":
@@ -177,12 +279,7 @@ class Config:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Config":
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        d = _load_json_limited(_read_text(path, "config"), path)
         return cls.from_dict(d, str(path))
 
     def to_hf_dict(self) -> dict:
@@ -193,8 +290,29 @@ class Config:
         return d
 
 
+_HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
+    "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
+    "layer_types": (list, type(None)), "attention_bias": (bool, type(None)),
+    "eos_token_id": (int, list, type(None)),
+}
+
+
+def _check_hf_types(d: dict, source: str):
+    """Type-check the HF keys read below, so a list where an object belongs is an error, not a traceback."""
+    for key, types in _HF_KEY_TYPES.items():
+        if key in d and not isinstance(d[key], types):
+            raise ValueError(f"{source}: key {key!r} = {d[key]!r} has the wrong type "
+                             f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})")
+    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
+        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list) and not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a list of integers")
+
+
 def _check_hf_semantics(d: dict, source: str):
     """Refuse HF settings that would change the math this module implements."""
+    _check_hf_types(d, source)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
     if d.get("rope_scaling") not in (None, {}) and (d["rope_scaling"] or {}).get("rope_type", "default") != "default":
@@ -1109,20 +1227,28 @@ def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
 
 def read_jsonl(path: str | os.PathLike):
     """Yield (1-based line number, JSON object) for each non-blank line; a ValueError names file and line."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    path = _check_path(path, "file", "JSONL input")
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error naming that line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            d = _load_json_limited(line, path, lineno)
             if not isinstance(d, dict):
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
             yield lineno, d
+
+
+def _check_text(text: str, where: str, key: str) -> str:
+    """`text` if it can be encoded (JSON can spell a lone surrogate, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: {key!r} is not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
 
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
@@ -1137,6 +1263,7 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
         for key in ("question", "answer"):
             if not isinstance(d.get(key), str):
                 raise ValueError(f"{path}:{lineno}: missing string key {key!r}")
+            _check_text(d[key], f"{path}:{lineno}", key)
         if gsm8k_answer(d["answer"]) is None:
             raise ValueError(f"{path}:{lineno}: 'answer' has no '#### <number>' final answer")
         rows.append({"question": d["question"], "answer": d["answer"], "index": len(rows)})
@@ -1231,17 +1358,43 @@ def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
     _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
 
 
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a model.safetensors.index.json names, each checked to be a file inside its folder."""
+    d = _load_json_limited(_read_text(index, "checkpoint index"), index)
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise ValueError(f"{index}: not a safetensors index (needs a non-empty object 'weight_map')")
+    bad = [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{index}: 'weight_map' maps {bad[0][0]!r} to {bad[0][1]!r}, not a file name")
+    folder = index.parent.resolve()
+    for f in sorted(set(wm.values())):
+        if Path(f).is_absolute() or not (folder / f).resolve().is_relative_to(folder):
+            raise ValueError(f"{index}: shard {f!r} is outside the checkpoint folder {index.parent}")
+        _check_path(index.parent / f, "file", f"{index}: shard")
+    return sorted(set(wm.values()))
+
+
+def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint with non-floating-point or non-finite tensors, listing them (a cast would hide
+    the first, and the second makes every log-prob NaN, which no comparison should count as agreement)."""
+    not_float = sorted(f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items()
+                       if not v.is_floating_point())
+    if not_float:
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+
+
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> LoopedLM:
     st = _safetensors()
-    path = Path(path)
+    path = _check_path(path, "folder", "checkpoint")
     cfg = Config.from_json(path / "config.json")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        files = _index_shards(index)
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -1252,6 +1405,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
             tensors.update(st.load_file(str(path / f)))
         except Exception as e:  # a missing shard or a corrupt file: name it
             raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    _check_float_tensors(tensors, path)
     model = LoopedLM(cfg)
     expected = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
@@ -1297,7 +1451,11 @@ class HFTokenizer:
         except ImportError:
             raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
                               "pip install tokenizers") from None
-        self._tok = Tokenizer.from_file(str(path))
+        path = _check_path(path, "file", "tokenizer")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own types
+            raise ValueError(f"{path}: cannot read the tokenizer ({(str(e) or repr(e)).splitlines()[0]})") from None
         self.eos_id = eos_id
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -1693,7 +1851,7 @@ def cmd_rollout(args) -> int:
             if tok is None:
                 tok_path = Path(args.model or ".") / "tokenizer.json"
                 tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
-            prompts.append(tok.encode(d["prompt"]))
+            prompts.append(tok.encode(_check_text(d["prompt"], f"{args.prompts}:{lineno}", "prompt")))
         else:
             raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
     if not prompts:
