@@ -1103,6 +1103,13 @@ class NonFiniteError(RuntimeError):
     """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
 
 
+def _check_finite_params(model: nn.Module, when: str) -> None:
+    """NonFiniteError naming the parameters that are not finite (an --lr of inf passes every earlier check)."""
+    bad = _nonfinite_parameters(model)
+    if bad:
+        raise NonFiniteError(f"parameters are not finite {when}: {bad}")
+
+
 class ReplayMismatchError(RuntimeError):
     """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
@@ -1169,6 +1176,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         if not torch.isfinite(grad_norm):
             raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
         opt.step()
+        _check_finite_params(model, f"after the optimizer step of inner iteration {it + 1}")
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
             metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
@@ -1551,6 +1559,189 @@ def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, s
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
+# ---------------------------------------------------------------------------------------------------
+# Flag checks: every command checks all its flags before any work (loading, warm start, writing)
+# ---------------------------------------------------------------------------------------------------
+
+MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+
+
+def _want(args, name: str, ok: bool, want: str) -> None:
+    """A one-line ValueError naming the flag --name unless `ok`."""
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)!r}")
+
+
+def _int_flags(args, lo: int, hi: int, *names: str) -> None:
+    for name in names:
+        v = getattr(args, name)
+        _want(args, name, isinstance(v, int) and lo <= v <= hi, f"an integer in {lo}..{hi:,}")
+
+
+def _real_flag(args, name: str, lo: float, hi: float = math.inf, *, lo_open: bool = False,
+               hi_open: bool = False, optional: bool = False) -> None:
+    """--name must be a finite number in [lo, hi] (ends open where asked); None passes when optional."""
+    v = getattr(args, name)
+    if optional and v is None:
+        return
+    ok = _is_finite_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    _want(args, name, ok, "a finite number" if (lo, hi) == (-math.inf, math.inf) else
+          f"a finite number > {lo}" if lo_open and hi == math.inf else
+          f"a finite number >= {lo}" if hi == math.inf else f"a finite number in {left}{lo}, {hi}{right}")
+
+
+def _check_device(args) -> None:
+    d = args.device
+    _want(args, "device", d in ("auto", "cpu") or re.fullmatch(r"cuda(:\d{1,3})?", d) is not None,
+          "cpu, cuda, cuda:N or auto")
+    if d.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {d}: no CUDA device is available")
+
+
+def _check_out(path: str, kind: str, flag: str = "--out") -> None:
+    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and
+    removing a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
+    p = Path(path)
+    if p.exists() and (p.is_dir() if kind == "file" else not p.is_dir()):
+        raise ValueError(f"{flag}: {p} exists and is not a {kind}")
+    probe_dir = p if kind == "folder" else p.parent
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
+    probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
+
+
+def _check_model_source(args) -> None:
+    if getattr(args, "model", None):
+        _check_path(args.model, "folder", "--model")
+    elif getattr(args, "config", None):
+        _check_path(args.config, "file", "--config")
+
+
+def check_train_flags(args) -> None:
+    """Every `train` flag, before any work: a ValueError naming the first bad flag."""
+    _int_flags(args, 1, 10**9, "steps", "save_every")
+    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "min_loops")
+    _int_flags(args, 1, 1000, "mu")
+    _int_flags(args, 0, 10**9, "sft_steps")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _want(args, "subset", args.subset is None or (isinstance(args.subset, int) and 1 <= args.subset <= MAX_COUNT),
+          f"an integer in 1..{MAX_COUNT:,}")
+    if args.prompts_per_step * args.group_size > MAX_COUNT:
+        raise ValueError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size:,} "
+                         f"sequences per step; at most {MAX_COUNT:,}")
+    _real_flag(args, "temperature", 0.0)
+    _real_flag(args, "lr", 0.0, lo_open=True)
+    _real_flag(args, "max_grad_norm", 0.0, lo_open=True)
+    _real_flag(args, "epsilon_low", 0.0, 1.0, hi_open=True)  # the ratio's lower clip 1 - eps must stay > 0
+    _real_flag(args, "epsilon_high", 0.0, 1000.0)
+    _real_flag(args, "beta", 0.0)
+    _check_device(args)
+    _check_model_source(args)
+    if args.data:
+        _check_path(args.data, "file", "--data")
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
+    if args.out:
+        _check_out(args.out, "folder")
+
+
+def check_demo_flags(args) -> None:
+    """Every `demo` flag, before any work."""
+    _int_flags(args, 1, 10**9, "steps")
+    _int_flags(args, 0, 10**9, "sft_steps")
+    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "problems", "eval_problems")
+    _int_flags(args, 1, 1000, "mu")
+    _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
+    _real_flag(args, "lr", 0.0, lo_open=True)
+    _check_path(args.config, "file", "--config")
+    if args.out:
+        _check_out(args.out, "folder")
+
+
+def _check_model_flags(args) -> None:
+    """The flags `_model_flags` adds (rollout and verify)."""
+    _check_model_source(args)
+    _int_flags(args, 0, MAX_SEED, "init_seed")
+    _int_flags(args, 1, MAX_COUNT, "min_loops")
+    _real_flag(args, "exit_threshold", -math.inf, optional=True)
+    _check_device(args)
+
+
+def check_rollout_flags(args) -> None:
+    """Every `rollout` flag, before any work (--eos-id is checked against the vocabulary once it is known)."""
+    _check_model_flags(args)
+    _int_flags(args, 1, MAX_COUNT, "max_new_tokens")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _want(args, "eos_id", args.eos_id is None or (isinstance(args.eos_id, int) and 0 <= args.eos_id <= MAX_SEED),
+          "a token id >= 0")
+    _real_flag(args, "temperature", 0.0)
+    _check_path(args.prompts, "file", "--prompts")
+    _check_out(args.out, "file")
+
+
+def check_verify_flags(args) -> None:
+    """Every `verify` flag, before any work."""
+    _check_model_flags(args)
+    _real_flag(args, "atol", 0.0)
+    _real_flag(args, "flip_margin", 0.0)
+    _check_path(args.rollouts, "file", "--rollouts")
+
+
+def check_bench_flags(args) -> None:
+    """Every `bench` flag, before any work."""
+    _int_flags(args, 1, MAX_COUNT, "new_tokens", "cache_tokens", "cache_prompt", "repeats")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _real_flag(args, "gate_bias", -math.inf)
+    _check_device(args)
+    _check_path(args.config, "file", "--config")
+
+
+def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
+    """The lines of a JSONL log with "step" <= `step`. A torn last line (a run killed mid-write) is
+    dropped and reported; any other bad line is an error naming the file and line."""
+    lines = _read_text(log_file, "log").splitlines()
+    keep = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            d = _load_json_limited(line, log_file, lineno)
+            if not isinstance(d, dict) or not _is_finite_number(d.get("step")):
+                raise ValueError(f"{log_file}:{lineno}: a log line must be an object with a numeric 'step'")
+        except ValueError:
+            if lineno == len(lines):
+                say(f"{log_file}:{lineno}: dropped a torn last line ({len(line)} characters)")
+                break
+            raise
+        if d["step"] <= step:
+            keep.append(line)
+    return keep
+
+
+def _remove_stale_temp_files(out: Path, say: Callable[[str], None]) -> None:
+    """Remove temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    for tmp in sorted(out.glob(".*.tmp*")):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if not pid.isdigit() or not tmp.is_file():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+            continue  # alive: another rank or another run may still be writing it
+        except PermissionError:  # alive, under another user
+            continue
+        except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
+            pass
+        tmp.unlink()
+        say(f"removed {tmp} (left by an interrupted write)")
+
+
 def _fmt_time(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
@@ -1596,7 +1787,7 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
         raise ValueError(f"--resume: no {Path(args.out or '.') / 'trainer_state.pt'} to resume from")
     if args.resume:
         try:
-            state = torch.load(out / "trainer_state.pt", weights_only=False)
+            state = torch.load(out / "trainer_state.pt", weights_only=True)  # tensors and plain data only
             model.load_state_dict(state["model"])
         except Exception as e:  # a truncated or foreign file: say which
             raise ValueError(f"{out / 'trainer_state.pt'}: cannot resume from it ({e})") from None
@@ -1627,9 +1818,11 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
     metrics_path = out / "metrics.jsonl" if out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            _remove_stale_temp_files(out, say)
         for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:  # logs continue the checkpoint
             if log_file.exists() and (rank == 0 or log_file != metrics_path):
-                keep = [x for x in log_file.read_text().splitlines() if json.loads(x)["step"] <= start_step]
+                keep = _log_lines_upto(log_file, start_step, say)
                 _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
     t_run = time.time()
     history = []
@@ -1655,7 +1848,7 @@ def train(args, log: Callable[[str], None] = print, on_start: Callable | None = 
             m = grpo_update(model, opt, ro, rewards, g, args.numerics, ref, dist["all_reduce"])
         except (NonFiniteError, ReplayMismatchError) as e:
             last = out / "trainer_state.pt" if out else None
-            where = (f"{last} (step {torch.load(last, weights_only=False)['step']})" if last and last.exists()
+            where = (f"{last} (step {torch.load(last, weights_only=True)['step']})" if last and last.exists()
                      else "no checkpoint was written yet")
             say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
                 "Try a lower --lr, float32, or a smaller --max-grad-norm.")
@@ -1758,6 +1951,30 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     return records
 
 
+def _check_reference_finite(model: LoopedLM, ro: Rollout, lp: torch.Tensor, gates: dict) -> None:
+    """Refuse to compare against a reference that is not a number (|NaN - x| > atol is False: NaN would
+    pass). ValueError when the record's temperature caused it (the logits are finite at temperature 1),
+    NonFiniteError when the model did."""
+    plen = len(ro.prompts[0])
+    for k in range(lp.numel()):
+        g = torch.stack(gates[(0, plen - 1 + k)])  # (loops run,)
+        if not bool(torch.isfinite(g).all()):
+            raise NonFiniteError(f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits "
+                                 "are not finite")
+    bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
+    if not bad:
+        return
+    k = bad[0]
+    if ro.temperature not in (0.0, 1.0):
+        with torch.no_grad():
+            at_one = _execute_schedule(model, dataclasses.replace(ro, temperature=1.0),
+                                       teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
+        if bool(torch.isfinite(at_one).all()):
+            raise ValueError(f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
+                             f"(reference log-prob {float(lp[k])}; finite at temperature 1)")
+    raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
+
+
 def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None,
                   min_loops: int = 1) -> dict:
     """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
@@ -1770,12 +1987,16 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
     R = model.config.total_ut_steps
     tau = model.config.early_exit_threshold if threshold is None else threshold
     n = len(rec["completion_ids"])
+    if n == 0:  # nothing was generated: nothing to recompute (and no call to run)
+        return {"logprobs": torch.zeros(0, dtype=torch.float64), "diff": torch.zeros(0, dtype=torch.float64),
+                "violations": []}
     ro = Rollout(prompts=[rec["prompt_ids"]], completions=[rec["completion_ids"]], exit_loops=[rec["exit_loops"]],
                  logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
                  mask=torch.ones(1, n, dtype=torch.bool), schedule=None, temperature=rec["temperature"], kv=kv)
     gates: dict = {}
     with torch.no_grad():
         lp = _execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", gates)[0].cpu().double()
+    _check_reference_finite(model, ro, lp, gates)
     diff = (lp - ro.logprobs[0]).abs()
     violations = []
     for k, e in enumerate(rec["exit_loops"]):
@@ -1793,6 +2014,7 @@ def cmd_verify(args) -> int:
     """Exit 0: all within tolerance; 1: mismatches or exit-rule violations; 2: bad input."""
     dtype = DTYPES[args.dtype]
     try:
+        check_verify_flags(args)
         model = _load_model_arg(args, dtype)
         records = read_records(args.rollouts, model.config)
     except ValueError as e:
@@ -1803,8 +2025,12 @@ def cmd_verify(args) -> int:
     print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
           f"({args.dtype}, kv={args.kv}, atol={args.atol})")
     for i, rec in enumerate(records):
-        res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
-        bad = (res["diff"] > args.atol).nonzero()[:, 0].tolist()
+        try:
+            res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
+        except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
+            print(f"error: {args.rollouts}:{rec['line']}: sequence {i}, {e}", file=__import__("sys").stderr)
+            return 2 if isinstance(e, ValueError) else 1
+        bad = (~(res["diff"] <= args.atol)).nonzero()[:, 0].tolist()  # NOTE: written so that NaN fails
         summary["tokens"] += len(rec["completion_ids"])
         summary["max_abs_diff"] = max(summary["max_abs_diff"], float(res["diff"].max()) if len(res["diff"]) else 0.0)
         summary["mismatched_tokens"] += len(bad)
@@ -1836,7 +2062,10 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
 
 def cmd_rollout(args) -> int:
     """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
+    check_rollout_flags(args)
     model = _load_model_arg(args, DTYPES[args.dtype])
+    if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
+        raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
     tok = None
     prompts = []
     V = model.config.vocab_size
@@ -1860,6 +2089,10 @@ def cmd_rollout(args) -> int:
                  temperature=args.temperature, exit_threshold=args.exit_threshold, min_loops=args.min_loops,
                  seed=args.seed, eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
                  kv=args.kv)
+    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
+    if bad:  # never write a record no verifier could check
+        raise ValueError(f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
+                         "small, or the model's logits overflow); nothing written")
     write_jsonl(args.out, rollout_records(ro))
     n = int(ro.mask.sum())
     print(json.dumps({"sequences": len(prompts), "tokens": n, "out": args.out,
@@ -1896,6 +2129,7 @@ def _peak_memory_mb(device: torch.device) -> float:
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
     removes, in bfloat16 and float32. Alternating repeats, medians."""
+    check_bench_flags(args)
     import statistics
     import time
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -2053,6 +2287,7 @@ def _train_parser(sub) -> None:
 
 
 def cmd_train(args) -> int:
+    check_train_flags(args)
     try:
         result = train(args)
     except (NonFiniteError, ReplayMismatchError):
@@ -2066,6 +2301,7 @@ def cmd_train(args) -> int:
 
 def cmd_demo(args) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
+    check_demo_flags(args)
     import time
     t0 = time.time()
     pool = arithmetic_problems(args.problems, seed=args.seed)
@@ -2218,6 +2454,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
                 "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad input: a clear message, no traceback
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    except OSError as e:  # a read-only or full disk, a file vanished mid-run: one line naming the file
         print(f"error: {e}", file=__import__("sys").stderr)
         return 2
 
