@@ -1130,9 +1130,9 @@ def test_bad_index_is_refused(tmp_path, capsys, index, needle):
     _one_line_error(err, "model.safetensors.index.json", needle)
 
 
-HUGE_CONFIGS = [dict(vocab_size=10**12), dict(hidden_size=2**31), dict(intermediate_size=10**12),
-                dict(num_attention_heads=2**28, num_key_value_heads=1, head_dim=8), dict(head_dim=2**32),
-                dict(total_ut_steps=10**9), dict(max_position_embeddings=10**12)]
+HUGE_CONFIGS = [{"vocab_size": 10**12}, {"hidden_size": 2**31}, {"intermediate_size": 10**12},
+                {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8}, {"head_dim": 2**32},
+                {"total_ut_steps": 10**9}, {"max_position_embeddings": 10**12}]
 
 
 @pytest.mark.parametrize("override", HUGE_CONFIGS)
@@ -1147,8 +1147,9 @@ def test_huge_config_refused_before_allocation(tmp_path, capsys, override):
 
 def test_ouro_1_4b_config_is_within_the_memory_limit():
     """The real Ouro-1.4B shape must stay loadable under the limit (its KV is counted at 4096 positions)."""
-    ouro = dict(model_type="ouro", vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-                num_attention_heads=16, num_key_value_heads=16, total_ut_steps=4, max_position_embeddings=65536)
+    ouro = {"model_type": "ouro", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "total_ut_steps": 4,
+            "max_position_embeddings": 65536}
     cfg = S.Config.from_dict(ouro, "ouro")
     assert sum(S._config_bytes(cfg).values()) < S.MAX_MODEL_BYTES
 
@@ -1166,13 +1167,13 @@ def _bad_hf_config(path: Path, **override) -> Path:
 
 
 @pytest.mark.parametrize("override,needle", [
-    (dict(rope_scaling=[1, 2]), "'rope_scaling'"), (dict(layer_types="full_attention"), "'layer_types'"),
-    (dict(layer_types=[1]), "'layer_types'"), (dict(hidden_act=3), "'hidden_act'"),
-    (dict(tie_word_embeddings="yes"), "'tie_word_embeddings'"), (dict(tie_word_embeddings=1), "'tie_word_embeddings'"),
-    (dict(tie_word_embeddings=float("nan")), "'tie_word_embeddings'"),
-    (dict(tie_word_embeddings=[True]), "'tie_word_embeddings'"),
-    (dict(initializer_range=float("nan")), "'initializer_range'"), (dict(rms_norm_eps=float("nan")), "'rms_norm_eps'"),
-    (dict(eos_token_id=["a"]), "'eos_token_id'"),
+    ({"rope_scaling": [1, 2]}, "'rope_scaling'"), ({"layer_types": "full_attention"}, "'layer_types'"),
+    ({"layer_types": [1]}, "'layer_types'"), ({"hidden_act": 3}, "'hidden_act'"),
+    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"), ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
+    ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
+    ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
+    ({"initializer_range": float("nan")}, "'initializer_range'"), ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
+    ({"eos_token_id": ["a"]}, "'eos_token_id'"),
 ])
 def test_hf_config_keys_are_type_checked(tmp_path, capsys, override, needle):
     """Every config key is type-checked (booleans too): a wrong type is an error naming it, not a traceback."""
@@ -1357,6 +1358,16 @@ def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys
 
 # --- fuzz: generated bad records and configs -------------------------------------------------------
 
+def _main_captured(argv: list[str]) -> tuple[int, str]:
+    """S.main with stdout and stderr captured (hypothesis tests cannot use the function-scoped capsys)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        rc = S.main(argv)
+    return rc, err.getvalue()
+
+
 _HUGE = 10**400  # json.dumps writes it; reading it must hit the number limit, not OverflowError
 _NOT_A_NUMBER = st.sampled_from([float("nan"), float("inf"), -float("inf"), "1", None, True, [1], {"a": 1}, _HUGE])
 _DEEP = st.integers(S.JSON_MAX_DEPTH, 3 * S.JSON_MAX_DEPTH).map(lambda n: json.loads("[" * n + "]" * n))
@@ -1392,12 +1403,9 @@ def test_fuzzed_bad_records_exit_2_naming_file_and_line(tmp_path_factory, line):
     records.write_text(json.dumps(GOOD_RECORD) + "\n" + line + "\n")
     cfg = tmp / "cfg.json"
     cfg.write_text(json.dumps(TINY))
-    err = __import__("io").StringIO()
-    from contextlib import redirect_stderr, redirect_stdout
-    with redirect_stderr(err), redirect_stdout(__import__("io").StringIO()):
-        rc = S.main(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    rc, err = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
     assert rc == 2, line
-    _one_line_error(err.getvalue(), f"{records}:2:")
+    _one_line_error(err, f"{records}:2:")
 
 
 _INT_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -1430,11 +1438,20 @@ def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
     cfg = tmp / "cfg.json"
     cfg.write_text(json.dumps(TINY | {key: value}))
     records = _good_records(tmp)
-    err = __import__("io").StringIO()
-    from contextlib import redirect_stderr, redirect_stdout
-    with redirect_stderr(err), redirect_stdout(__import__("io").StringIO()):
-        rc = S.main(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    rc, msg = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
     assert rc == 2, (key, value)
-    msg = err.getvalue()
     _one_line_error(msg, str(cfg))
     assert repr(key) in msg or "bytes" in msg or "digits" in msg, msg
+
+
+def test_default_flags_pass_their_checks(tmp_path):
+    """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
+    parse = S.build_parser().parse_args
+    S.check_demo_flags(parse(["demo", "--out", str(tmp_path / "d")]))
+    S.check_bench_flags(parse(["bench"]))
+    S.check_train_flags(parse(["train", "--device", "cpu"]))
+    S.check_verify_flags(parse(_flags(tmp_path, "verify")))
+    S.check_rollout_flags(parse(_flags(tmp_path, "rollout")))
+    with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
+        S.check_bench_flags(parse(["bench", "--repeats", "0"]))
+    assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
