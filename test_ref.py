@@ -1455,3 +1455,28 @@ def test_default_flags_pass_their_checks(tmp_path):
     with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
         S.check_bench_flags(parse(["bench", "--repeats", "0"]))
     assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
+
+
+@st.composite
+def bad_prompt_lines(draw) -> str:
+    """One prompts-file line that `rollout` must refuse (tiny.json: vocabulary 0..259)."""
+    ids = st.one_of(st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]),
+                    _DEEP.map(lambda x: [x]))
+    return draw(st.one_of(
+        ids.map(lambda v: json.dumps({"prompt_ids": v})),
+        st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
+        st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
+        _DEEP.map(json.dumps),
+    ))
+
+
+@examples(25)
+@given(line=bad_prompt_lines())
+def test_fuzzed_bad_prompts_exit_2_naming_file_and_line(tmp_path_factory, line):
+    """Whatever is wrong with a prompt line, rollout exits 2 naming file and line and writes nothing."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    prompts, out = tmp / "p.jsonl", tmp / "o.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")
+    rc, err = _main_captured(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists(), line
+    _one_line_error(err, f"{prompts}:2:")
