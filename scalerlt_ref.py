@@ -88,6 +88,16 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------------
 
 
+def _is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is finite; an int too large for a float is not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 @dataclass
 class Config:
     """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from
@@ -116,8 +126,10 @@ class Config:
             v = getattr(self, f.name)
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
-            if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-                raise ValueError(f"config key {f.name!r} must be a number, got {v!r}")
+            if f.type == "float" and not _is_finite_number(v):
+                raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
+            if f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
             if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -146,32 +158,8 @@ class Config:
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
                 raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{self.vocab_size - 1}")
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "<dict>") -> "Config":
-        """Build from a tiny-config dict; an unknown key is an error (a typo would change the model)."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{source}: a config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in d:
-            if key not in known:
-                raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
-        try:
-            return cls(**d)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{source}: {e}") from None
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "Config":
-        """Read a tiny config (tiny_configs/*.json). HF config.json files: `load_config`."""
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-        return cls.from_dict(d, str(path))
+        if self.initializer_range < 0:
+            raise ValueError(f"config key 'initializer_range' must be >= 0, got {self.initializer_range}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1020,6 +1008,13 @@ def _nonfinite_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if not p.isfinite().all()][:5]
 
 
+def _check_finite_params(model: nn.Module, when: str) -> None:
+    """NonFiniteError naming the parameters that are not finite (an --lr of inf passes every earlier check)."""
+    bad = _nonfinite_parameters(model)
+    if bad:
+        raise NonFiniteError(f"parameters are not finite {when}: {bad}")
+
+
 def _check_sampled_logprobs(model: LoopedLM, ro: Rollout) -> None:
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:
@@ -1122,6 +1117,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         if not torch.isfinite(grad_norm):
             raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
         opt.step()
+        _check_finite_params(model, f"after the optimizer step of inner iteration {it + 1}")
         # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
@@ -1137,8 +1133,95 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
 # ===================================================================================================
 
 # ---------------------------------------------------------------------------------------------------
-# HF configs and checkpoints (the Ouro layout: config.json + safetensors, exact tensor names)
+# Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names)
 # ---------------------------------------------------------------------------------------------------
+
+# Limits on JSON input, checked before parsing: deeper nesting overflows Python's stack inside json,
+# and longer numbers hit Python's 4300-digit int conversion limit or overflow a float far from their line.
+JSON_MAX_DEPTH = 64
+JSON_MAX_NUMBER_DIGITS = 100
+_JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+
+
+def _check_path(path: str | os.PathLike, kind: str, what: str) -> Path:
+    """`path` as a Path; a one-line ValueError unless it exists and is a "file" or a "folder"."""
+    try:
+        path = Path(path)
+        exists, is_file, is_dir = path.exists(), path.is_file(), path.is_dir()
+    except (OSError, ValueError) as e:  # an embedded NUL byte, a name too long, ...
+        raise ValueError(f"{what}: {str(path)!r} is not a usable path ({e})") from None
+    if not exists:
+        raise ValueError(f"{what}: {path}: no such {kind}")
+    if (kind == "file" and not is_file) or (kind == "folder" and not is_dir):
+        raise ValueError(f"{what}: {path} is not a {kind}")
+    return path
+
+
+def _read_text(path: Path, what: str) -> str:
+    """A whole UTF-8 file as text; a missing file, a folder or bad bytes is a ValueError naming the line."""
+    data = _check_path(path, "file", what).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(bytes([10]), 0, e.start) + 1
+        raise ValueError(f"{path}: line {line}: not valid UTF-8 ({e.reason})") from None
+
+
+def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = None):
+    """json.loads of `text` (line `lineno` of `path`, or the whole file) with limits on nesting depth and
+    number length; every problem is a ValueError naming the file and line."""
+    where = f"{path}:{lineno}" if lineno else f"{path}"
+    bare = _JSON_STRING.sub(lambda m: '"' + " " * (len(m.group()) - 2) + '"', text)  # same offsets, no strings
+    line_of = (lambda i: "") if lineno else (lambda i: f" line {text.count(chr(10), 0, i) + 1}:")
+    depth = 0
+    for m in re.finditer(r"[\[\]{}]", bare):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > JSON_MAX_DEPTH:
+            raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
+    m = re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare)
+    if m:
+        raise ValueError(f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
+                         f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
+    except RecursionError:  # NOTE: unreachable after the depth check; kept so no input can give a traceback
+        raise ValueError(f"{where}: JSON nested too deeply") from None
+
+
+# The largest model (parameters and the caches of one sequence) a config may ask for, checked with
+# Python integers before anything is allocated: a typo such as a 10**9 vocabulary is refused in
+# milliseconds instead of exhausting memory. Counted at 8 bytes a number (float64, the widest dtype here).
+MAX_MODEL_BYTES = 64 * 2**30
+# NOTE: the KV cache is counted for one sequence of at most this many positions, not for
+# max_position_embeddings: Ouro-1.4B's 65536 positions would need ~100 GB of cache for a length no run
+# here reaches, while its parameters and a 4096-position cache need ~24 GB.
+KV_BUDGET_POSITIONS = 4096
+
+
+def _config_bytes(cfg) -> dict[str, int]:
+    """Bytes (at 8 a number) of a config's parameters, RoPE tables and one sequence's caches."""
+    V, C, I, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    H, G, R = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.total_ut_steps
+    D = cfg.head_dim or C // H
+    T = min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
+    layer = C * H * D * 2 + C * G * D * 2 + 3 * C * I + 4 * C  # q, o; k, v; MLP; the four norms
+    params = 2 * V * C + L * layer + C + C + 1  # embedding, head, layers, final norm, exit gate
+    return {"parameters": 8 * params, "rope": 8 * 2 * cfg.max_position_embeddings * D,
+            "kv_cache": 8 * (2 * R * L * G * T * D + T * C)}
+
+
+def _check_config_size(cfg) -> None:
+    """Refuse, before any allocation, a config whose model would need more than MAX_MODEL_BYTES."""
+    need = _config_bytes(cfg)
+    if sum(need.values()) > MAX_MODEL_BYTES:
+        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+        raise ValueError(f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
+                         f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
+                         f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)")
+
+
 
 _HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
     "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -1179,14 +1262,56 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
         kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+    return _build_config(kw, source)
+
+
+def config_from_dict(d: dict, source: str = "<dict>") -> Config:
+    """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
+    typo would change the model unnoticed). Also `Config.from_dict`."""
+    if is_hf_config(d):
+        return config_from_hf(d, source)
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: a config must be a JSON object")
+    known = {f.name for f in dataclasses.fields(Config)}
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
+    return _build_config(d, source)
+
+
+def _build_config(kw: dict, source: str) -> Config:
+    """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
     try:
-        return Config(**kw)
+        cfg = Config(**kw)
+        _check_config_size(cfg)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
+    return cfg
+
+
+_HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
+    "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
+    "layer_types": (list, type(None)), "attention_bias": (bool, type(None)),
+    "eos_token_id": (int, list, type(None)),
+}
+
+
+def _check_hf_types(d: dict, source: str):
+    """Type-check the HF keys read below, so a list where an object belongs is an error, not a traceback."""
+    for key, types in _HF_KEY_TYPES.items():
+        if key in d and not isinstance(d[key], types):
+            raise ValueError(f"{source}: key {key!r} = {d[key]!r} has the wrong type "
+                             f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})")
+    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
+        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list) and not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a list of integers")
 
 
 def _check_hf_semantics(d: dict, source: str):
     """Refuse HF settings that would change the math this module implements."""
+    _check_hf_types(d, source)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
     rope_scaling = d.get("rope_scaling")
@@ -1208,15 +1333,10 @@ def config_to_hf(cfg: Config) -> dict:
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    """A config file of either kind: an HF Ouro config.json, or a tiny config (strict: unknown keys fail)."""
+    """A config file of either kind: an HF Ouro config.json, or a tiny config (strict: unknown keys fail).
+    Also `Config.from_json`."""
     path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    return config_from_hf(d, str(path)) if is_hf_config(d) else Config.from_dict(d, str(path))
+    return config_from_dict(_load_json_limited(_read_text(path, "config"), path), str(path))
 
 def _safetensors():
     try:
@@ -1249,18 +1369,44 @@ def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
     _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(cfg, indent=2) + "\n"))
 
 
+def _index_shards(index: Path) -> list[str]:
+    """The shard files a model.safetensors.index.json names, each checked to be a file inside its folder."""
+    d = _load_json_limited(_read_text(index, "checkpoint index"), index)
+    wm = d.get("weight_map") if isinstance(d, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise ValueError(f"{index}: not a safetensors index (needs a non-empty object 'weight_map')")
+    bad = [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"{index}: 'weight_map' maps {bad[0][0]!r} to {bad[0][1]!r}, not a file name")
+    folder = index.parent.resolve()
+    for f in sorted(set(wm.values())):
+        if Path(f).is_absolute() or not (folder / f).resolve().is_relative_to(folder):
+            raise ValueError(f"{index}: shard {f!r} is outside the checkpoint folder {index.parent}")
+        _check_path(index.parent / f, "file", f"{index}: shard")
+    return sorted(set(wm.values()))
+
+
+def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint with non-floating-point or non-finite tensors, listing them (a cast would hide
+    the first, and the second makes every log-prob NaN, which no comparison should count as agreement)."""
+    not_float = sorted(f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items()
+                       if not v.is_floating_point())
+    if not_float:
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+
+
 def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> LoopedLM:
     """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index)."""
     st = _safetensors()
-    path = Path(path)
+    path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+        files = _index_shards(index)
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -1271,6 +1417,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
             tensors.update(st.load_file(str(path / f)))
         except Exception as e:  # a missing shard or a corrupt file: name it
             raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    _check_float_tensors(tensors, path)
     model = LoopedLM(cfg)
     expected = model.state_dict()
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
@@ -1294,6 +1441,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
 # from below the seam.
 LoopedLM.from_pretrained = staticmethod(load_checkpoint)
 LoopedLM.save_pretrained = save_checkpoint
+Config.from_dict = staticmethod(config_from_dict)
+Config.from_json = staticmethod(load_config)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1323,7 +1472,11 @@ class HFTokenizer:
         except ImportError:
             raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
                               "pip install tokenizers") from None
-        self._tok = Tokenizer.from_file(str(path))
+        path = _check_path(path, "file", "tokenizer")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own types
+            raise ValueError(f"{path}: cannot read the tokenizer ({(str(e) or repr(e)).splitlines()[0]})") from None
         self.eos_id = eos_id
         self.vocab_size = self._tok.get_vocab_size()
 
@@ -1378,20 +1531,28 @@ def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
 
 def read_jsonl(path: str | os.PathLike):
     """Yield (1-based line number, JSON object) for each non-blank line; a ValueError names file and line."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    path = _check_path(path, "file", "JSONL input")
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error naming that line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            d = _load_json_limited(line, path, lineno)
             if not isinstance(d, dict):
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object")
             yield lineno, d
+
+
+def _check_text(text: str, where: str, key: str) -> str:
+    """`text` if it can be encoded (JSON can spell a lone surrogate, which no tokenizer can encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: {key!r} is not valid Unicode ({e.reason} at character {e.start})") from None
+    return text
 
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
@@ -1406,6 +1567,7 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
         for key in ("question", "answer"):
             if not isinstance(d.get(key), str):
                 raise ValueError(f"{path}:{lineno}: missing string key {key!r}")
+            _check_text(d[key], f"{path}:{lineno}", key)
         if gsm8k_answer(d["answer"]) is None:
             raise ValueError(f"{path}:{lineno}: 'answer' has no '#### <number>' final answer")
         rows.append({"question": d["question"], "answer": d["answer"], "index": len(rows)})
@@ -1532,6 +1694,152 @@ def evaluate(model: LoopedLM, tok, problems: list[dict], *, mode: str = "deferre
 
 
 # ---------------------------------------------------------------------------------------------------
+# Flag checks: every command checks all its flags before any work (loading, warm start, writing)
+# ---------------------------------------------------------------------------------------------------
+
+MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
+MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+
+
+def _want(args, name: str, ok: bool, want: str) -> None:
+    """A one-line ValueError naming the flag --name unless `ok`."""
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)!r}")
+
+
+def _int_flags(args, lo: int, hi: int, *names: str) -> None:
+    for name in names:
+        v = getattr(args, name)
+        _want(args, name, isinstance(v, int) and lo <= v <= hi, f"an integer in {lo}..{hi:,}")
+
+
+def _real_flag(args, name: str, lo: float, hi: float = math.inf, *, lo_open: bool = False,
+               hi_open: bool = False, optional: bool = False) -> None:
+    """--name must be a finite number in [lo, hi] (ends open where asked); None passes when optional."""
+    v = getattr(args, name)
+    if optional and v is None:
+        return
+    ok = _is_finite_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+    _want(args, name, ok, "a finite number" if (lo, hi) == (-math.inf, math.inf) else
+          f"a finite number > {lo}" if lo_open and hi == math.inf else
+          f"a finite number >= {lo}" if hi == math.inf else f"a finite number in {left}{lo}, {hi}{right}")
+
+
+def _check_device(args) -> None:
+    d = args.device
+    _want(args, "device", d in ("auto", "cpu") or re.fullmatch(r"cuda(:\d{1,3})?", d) is not None,
+          "cpu, cuda, cuda:N or auto")
+    if d.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {d}: no CUDA device is available")
+
+
+def _check_out(path: str, kind: str, flag: str = "--out") -> None:
+    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and
+    removing a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
+    p = Path(path)
+    if p.exists() and (p.is_dir() if kind == "file" else not p.is_dir()):
+        raise ValueError(f"{flag}: {p} exists and is not a {kind}")
+    probe_dir = p if kind == "folder" else p.parent
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
+    probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
+
+
+def _check_model_source(args) -> None:
+    if getattr(args, "model", None):
+        _check_path(args.model, "folder", "--model")
+    elif getattr(args, "config", None):
+        _check_path(args.config, "file", "--config")
+
+
+def check_train_flags(args) -> None:
+    """Every `train` flag, before any work: a ValueError naming the first bad flag."""
+    _int_flags(args, 1, 10**9, "steps", "save_every")
+    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "min_loops")
+    _int_flags(args, 1, 1000, "mu")
+    _int_flags(args, 0, 10**9, "sft_steps")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _want(args, "subset", args.subset is None or (isinstance(args.subset, int) and 1 <= args.subset <= MAX_COUNT),
+          f"an integer in 1..{MAX_COUNT:,}")
+    if args.prompts_per_step * args.group_size > MAX_COUNT:
+        raise ValueError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size:,} "
+                         f"sequences per step; at most {MAX_COUNT:,}")
+    _real_flag(args, "temperature", 0.0)
+    _real_flag(args, "lr", 0.0, lo_open=True)
+    _real_flag(args, "max_grad_norm", 0.0, lo_open=True)
+    _real_flag(args, "epsilon_low", 0.0, 1.0, hi_open=True)  # the ratio's lower clip 1 - eps must stay > 0
+    _real_flag(args, "epsilon_high", 0.0, 1000.0)
+    _real_flag(args, "beta", 0.0)
+    _check_device(args)
+    _check_model_source(args)
+    if args.data:
+        _check_path(args.data, "file", "--data")
+    if args.resume and not args.out:
+        raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
+    if args.out:
+        _check_out(args.out, "folder")
+
+
+def check_demo_flags(args) -> None:
+    """Every `demo` flag, before any work."""
+    _int_flags(args, 1, 10**9, "steps")
+    _int_flags(args, 0, 10**9, "sft_steps")
+    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "problems", "eval_problems")
+    _int_flags(args, 1, 1000, "mu")
+    _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
+    _real_flag(args, "lr", 0.0, lo_open=True)
+    _check_path(args.config, "file", "--config")
+    if args.out:
+        _check_out(args.out, "folder")
+
+
+def _check_model_flags(args) -> None:
+    """The flags `_model_flags` adds (rollout and verify)."""
+    _check_model_source(args)
+    _int_flags(args, 0, MAX_SEED, "init_seed")
+    _int_flags(args, 1, MAX_COUNT, "min_loops")
+    _real_flag(args, "exit_threshold", -math.inf, optional=True)
+    _check_device(args)
+
+
+def check_rollout_flags(args) -> None:
+    """Every `rollout` flag, before any work (--eos-id is checked against the vocabulary once it is known)."""
+    _check_model_flags(args)
+    _int_flags(args, 1, MAX_COUNT, "max_new_tokens")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _want(args, "eos_id", args.eos_id is None or (isinstance(args.eos_id, int) and 0 <= args.eos_id <= MAX_SEED),
+          "a token id >= 0")
+    _real_flag(args, "temperature", 0.0)
+    _check_path(args.prompts, "file", "--prompts")
+    _check_out(args.out, "file")
+
+
+def check_verify_flags(args) -> None:
+    """Every `verify` flag, before any work."""
+    _check_model_flags(args)
+    _real_flag(args, "atol", 0.0)
+    _real_flag(args, "flip_margin", 0.0)
+    _check_path(args.rollouts, "file", "--rollouts")
+
+
+def check_bench_flags(args) -> None:
+    """Every `bench` flag, before any work."""
+    _int_flags(args, 1, MAX_COUNT, "new_tokens", "cache_tokens", "cache_prompt", "repeats")
+    _int_flags(args, 0, MAX_SEED, "seed")
+    _real_flag(args, "gate_bias", -math.inf)
+    _check_device(args)
+    _check_path(args.config, "file", "--config")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun
 # ---------------------------------------------------------------------------------------------------
 
@@ -1616,8 +1924,7 @@ class TrainConfig:
             bad("epsilon_high", "must be >= 0")
         if self.beta < 0:
             bad("beta", "must be >= 0")
-        if self.resume and not self.out:
-            raise ValueError("--resume needs --out (the folder to resume from)")
+        check_train_flags(self)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
@@ -1658,7 +1965,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         ref = LoopedLM(model.config).to(dtype=model.dtype, device=device)
         ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
     if out:
-        _truncate_logs(out, rank, start_step)
+        _truncate_logs(out, rank, start_step, say)
     t_run = time.time()
     history = []
     for step in range(start_step, cfg.steps):
@@ -1666,7 +1973,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
             m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
         except (NonFiniteError, ReplayMismatchError) as e:
             last = out / "trainer_state.pt" if out else None
-            where = (f"{last} (step {torch.load(last, weights_only=False)['step']})" if last and last.exists()
+            where = (f"{last} (step {torch.load(last, weights_only=True)['step']})" if last and last.exists()
                      else "no checkpoint was written yet")
             say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
                 "Try a lower --lr, float32, or a smaller --max-grad-norm.")
@@ -1762,7 +2069,7 @@ def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, s
 def _load_trainer_state(path: Path, model: LoopedLM):
     """Load weights and the global RNG from a trainer_state.pt; return (step, optimizer state, reference)."""
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)  # tensors and plain data only: never unpickle code
         model.load_state_dict(state["model"])
     except Exception as e:  # a truncated or foreign file: say which
         raise ValueError(f"{path}: cannot resume from it ({e})") from None
@@ -1770,14 +2077,54 @@ def _load_trainer_state(path: Path, model: LoopedLM):
     return state["step"], state["optimizer"], state["extra"].get("reference")
 
 
-def _truncate_logs(out: Path, rank: int, start_step: int) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped."""
+def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
+    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and
+    temp files of interrupted writes are removed."""
     out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        _remove_stale_temp_files(out, say)
     metrics_path = out / "metrics.jsonl"
     for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:
         if log_file.exists() and (rank == 0 or log_file != metrics_path):
-            keep = [x for x in log_file.read_text().splitlines() if json.loads(x)["step"] <= start_step]
+            keep = _log_lines_upto(log_file, start_step, say)
             _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
+
+
+def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
+    """The lines of a JSONL log with "step" <= `step`. A torn last line (a run killed mid-write) is
+    dropped and reported; any other bad line is an error naming the file and line."""
+    lines = _read_text(log_file, "log").splitlines()
+    keep = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            d = _load_json_limited(line, log_file, lineno)
+            if not isinstance(d, dict) or not _is_finite_number(d.get("step")):
+                raise ValueError(f"{log_file}:{lineno}: a log line must be an object with a numeric 'step'")
+        except ValueError:
+            if lineno == len(lines):
+                say(f"{log_file}:{lineno}: dropped a torn last line ({len(line)} characters)")
+                break
+            raise
+        if d["step"] <= step:
+            keep.append(line)
+    return keep
+
+
+def _remove_stale_temp_files(out: Path, say: Callable[[str], None]) -> None:
+    """Remove temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    for tmp in sorted(out.glob(".*.tmp*")):
+        pid = tmp.name.rpartition(".tmp")[2]
+        if not pid.isdigit() or not tmp.is_file():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+            continue  # alive: another rank or another run may still be writing it
+        except PermissionError:  # alive, under another user
+            continue
+        except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
+            pass
+        tmp.unlink()
+        say(f"removed {tmp} (left by an interrupted write)")
 
 
 def _fmt_time(s: float) -> str:
@@ -1858,6 +2205,30 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     return records
 
 
+def _check_reference_finite(model: LoopedLM, ro: Rollout, lp: torch.Tensor, gates: dict) -> None:
+    """Refuse to compare against a reference that is not a number (|NaN - x| > atol is False: NaN would
+    pass). ValueError when the record's temperature caused it (the logits are finite at temperature 1),
+    NonFiniteError when the model did."""
+    plen = len(ro.prompts[0])
+    for k in range(lp.numel()):
+        g = torch.stack(gates[(0, plen - 1 + k)])  # (loops run,)
+        if not bool(torch.isfinite(g).all()):
+            raise NonFiniteError(f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits "
+                                 "are not finite")
+    bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
+    if not bad:
+        return
+    k = bad[0]
+    if ro.temperature not in (0.0, 1.0):
+        with torch.no_grad():
+            at_one = execute_schedule(model, dataclasses.replace(ro, temperature=1.0),
+                                      teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
+        if bool(torch.isfinite(at_one).all()):
+            raise ValueError(f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
+                             f"(reference log-prob {float(lp[k])}; finite at temperature 1)")
+    raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
+
+
 def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None,
                   min_loops: int = 1) -> dict:
     """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
@@ -1870,6 +2241,9 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
     R = model.config.total_ut_steps
     tau = model.config.early_exit_threshold if threshold is None else threshold
     n = len(rec["completion_ids"])
+    if n == 0:  # nothing was generated: nothing to recompute (and no call to run)
+        return {"logprobs": torch.zeros(0, dtype=torch.float64), "diff": torch.zeros(0, dtype=torch.float64),
+                "violations": []}
     ro = Rollout(prompts=[rec["prompt_ids"]], completions=[rec["completion_ids"]], exit_loops=[rec["exit_loops"]],
                  logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
                  mask=torch.ones(1, n, dtype=torch.bool), schedule=None, temperature=rec["temperature"], kv=kv)
@@ -1882,6 +2256,7 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
             gates.setdefault(call.rows[i], []).append(gl)
     with torch.no_grad():
         lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates)[0].cpu().double()
+    _check_reference_finite(model, ro, lp, gates)
     diff = (lp - ro.logprobs[0]).abs()
     violations = []
     for k, e in enumerate(rec["exit_loops"]):
@@ -1899,6 +2274,7 @@ def cmd_verify(args) -> int:
     """Exit 0: all within tolerance; 1: mismatches or exit-rule violations; 2: bad input."""
     dtype = DTYPES[args.dtype]
     try:
+        check_verify_flags(args)
         model = _load_model_arg(args, dtype)
         records = read_records(args.rollouts, model.config)
     except ValueError as e:
@@ -1909,8 +2285,12 @@ def cmd_verify(args) -> int:
     print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
           f"({args.dtype}, kv={args.kv}, atol={args.atol})")
     for i, rec in enumerate(records):
-        res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
-        bad = (res["diff"] > args.atol).nonzero()[:, 0].tolist()
+        try:
+            res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
+        except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
+            print(f"error: {args.rollouts}:{rec['line']}: sequence {i}, {e}", file=sys.stderr)
+            return 2 if isinstance(e, ValueError) else 1
+        bad = (~(res["diff"] <= args.atol)).nonzero()[:, 0].tolist()  # NOTE: written so that NaN fails
         summary["tokens"] += len(rec["completion_ids"])
         summary["max_abs_diff"] = max(summary["max_abs_diff"], float(res["diff"].max()) if len(res["diff"]) else 0.0)
         summary["mismatched_tokens"] += len(bad)
@@ -1942,7 +2322,10 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
 
 def cmd_rollout(args) -> int:
     """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
+    check_rollout_flags(args)
     model = _load_model_arg(args, DTYPES[args.dtype])
+    if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
+        raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
     tok = None
     prompts = []
     V = model.config.vocab_size
@@ -1957,7 +2340,7 @@ def cmd_rollout(args) -> int:
             if tok is None:
                 tok_path = Path(args.model or ".") / "tokenizer.json"
                 tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
-            prompts.append(tok.encode(d["prompt"]))
+            prompts.append(tok.encode(_check_text(d["prompt"], f"{args.prompts}:{lineno}", "prompt")))
         else:
             raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
     if not prompts:
@@ -1966,6 +2349,10 @@ def cmd_rollout(args) -> int:
                  temperature=args.temperature, exit_threshold=args.exit_threshold, min_loops=args.min_loops,
                  seed=args.seed, eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
                  kv=args.kv)
+    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
+    if bad:  # never write a record no verifier could check
+        raise ValueError(f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
+                         "small, or the model's logits overflow); nothing written")
     write_jsonl(args.out, rollout_records(ro))
     n = int(ro.mask.sum())
     print(json.dumps({"sequences": len(prompts), "tokens": n, "out": args.out,
@@ -2002,6 +2389,7 @@ def _peak_memory_mb(device: torch.device) -> float:
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
     removes, in bfloat16 and float32. Alternating repeats, medians."""
+    check_bench_flags(args)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = load_config(args.config)
     base = LoopedLM(cfg, seed=args.seed)
@@ -2155,9 +2543,7 @@ def cmd_train(args) -> int:
 
 def cmd_demo(args) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
-    for name in ("problems", "eval_problems"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_demo_flags(args)
     cfg = TrainConfig(config=args.config, steps=args.steps, sft_steps=args.sft_steps, subset=args.problems,
                       prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr, mu=args.mu,
                       seed=args.seed, max_new_tokens=args.max_new_tokens, mode="deferred", device="cpu",
@@ -2304,6 +2690,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
                 "bench": cmd_bench}[args.command](args)
     except ValueError as e:  # bad input: a clear message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only or full disk, a file vanished mid-run: one line naming the file
         print(f"error: {e}", file=sys.stderr)
         return 2
 

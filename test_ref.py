@@ -1019,3 +1019,467 @@ def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and f"{path}:2:" in err and "1.7" in err, err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input (issue 14)
+# ---------------------------------------------------------------------------------------------------
+
+GOOD_RECORD = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "exit_loops": [2, 1], "logprobs": [-3.0, -3.5],
+               "temperature": 1.0}
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, str]:
+    """S.main in-process: (exit status, stderr). An uncaught exception (a traceback) fails the test."""
+    capsys.readouterr()
+    rc = S.main(argv)
+    return rc, capsys.readouterr().err
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+def _tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    S.LoopedLM(S.Config(**TINY), seed=seed).save_pretrained(path)
+    return path
+
+
+def _good_records(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(GOOD_RECORD) + "\n" + "".join(x + "\n" for x in lines))
+    return path
+
+
+def _verify_tiny(capsys, model_dir: Path, records: Path, *extra: str) -> tuple[int, str]:
+    return _run(capsys, ["verify", "--model", str(model_dir), "--rollouts", str(records)] + list(extra))
+
+
+def test_verify_refuses_nan_checkpoint(tmp_path, capsys):
+    """A checkpoint holding NaN no longer verifies as agreement: it is refused, naming the tensor."""
+    st_ = pytest.importorskip("safetensors.torch")
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    tensors = st_.load_file(str(ckpt / "model.safetensors"))
+    tensors["lm_head.weight"][0, 0] = float("nan")
+    st_.save_file(tensors, str(ckpt / "model.safetensors"))
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, str(ckpt), "lm_head.weight", "NaN")
+
+
+def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch):
+    """Non-finite reference log-probs that come from the model are a failure (exit 1), never agreement."""
+    model = S.LoopedLM(S.Config(**TINY)).double()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("inf"))  # finite checkpoints can still overflow; simulate it
+    monkeypatch.setattr(S, "_load_model_arg", lambda args, dtype: model)
+    rc, err = _verify_tiny(capsys, tmp_path, _good_records(tmp_path))
+    assert rc == 1 and ":1: sequence 0, token 0" in err and "not finite" in err, err
+
+
+def test_verify_tiny_temperature_is_bad_input(tmp_path, capsys):
+    """temperature 5e-324 makes logits / T overflow: exit 2 naming the line, not a silent pass."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = _good_records(tmp_path, json.dumps(GOOD_RECORD | {"temperature": 5e-324}))
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", "temperature", "overflow")
+
+
+def test_verify_accepts_empty_completion(tmp_path, capsys):
+    """A record with a 1-token prompt and nothing generated is valid and verifies (no max() of nothing)."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = tmp_path / "r.jsonl"
+    records.write_text(json.dumps({"prompt_ids": [7], "completion_ids": [], "exit_loops": [], "logprobs": []}) + "\n")
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_non_float_checkpoint_tensors_are_listed(tmp_path, dtype):
+    """Integer or bool tensors are refused (a silent cast would make up weights), every one listed."""
+    sd = {k: v.clone() for k, v in S.LoopedLM(S.Config(**TINY)).state_dict().items()}
+    names = ["lm_head.weight", "model.norm.weight"]
+    for k in names:
+        sd[k] = sd[k].to(dtype)
+    _write_hf_checkpoint(tmp_path, S.Config(**TINY), {"model.safetensors": sd})
+    with pytest.raises(ValueError, match="must be floating point") as e:
+        S.LoopedLM.from_pretrained(tmp_path)
+    assert all(k in str(e.value) for k in names), str(e.value)
+
+
+@pytest.mark.parametrize("index,needle", [
+    ({"weight_map": {"lm_head.weight": "../elsewhere/x.safetensors"}}, "outside the checkpoint folder"),
+    ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "outside the checkpoint folder"),
+    ({"weight_map": ["model.safetensors"]}, "needs a non-empty object 'weight_map'"),
+    ([{"weight_map": {}}], "needs a non-empty object 'weight_map'"),
+    ({"weight_map": {"lm_head.weight": 3}}, "not a file name"),
+    ({"weight_map": {"lm_head.weight": "missing.safetensors"}}, "no such file"),
+])
+def test_bad_index_is_refused(tmp_path, capsys, index, needle):
+    """A sharded index is validated (its JSON shape, its names, every shard inside the folder)."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "elsewhere").mkdir()
+    S.save_checkpoint(S.LoopedLM(S.Config(**TINY)), tmp_path / "elsewhere")  # a real file to be lured to
+    (tmp_path / "elsewhere" / "model.safetensors").rename(tmp_path / "elsewhere" / "x.safetensors")
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, "model.safetensors.index.json", needle)
+
+
+HUGE_CONFIGS = [{"vocab_size": 10**12}, {"hidden_size": 2**31}, {"intermediate_size": 10**12},
+                {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8}, {"head_dim": 2**32},
+                {"total_ut_steps": 10**9}, {"max_position_embeddings": 10**12}]
+
+
+@pytest.mark.parametrize("override", HUGE_CONFIGS)
+def test_huge_config_refused_before_allocation(tmp_path, capsys, override):
+    """A config that would need more than MAX_MODEL_BYTES is refused at once, with the bytes it needs."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY | override))
+    rc, err = _run(capsys, ["verify", "--config", str(cfg), "--rollouts", str(_good_records(tmp_path))])
+    assert rc == 2
+    _one_line_error(err, str(cfg), "bytes", "MAX_MODEL_BYTES")
+
+
+def test_ouro_1_4b_config_is_within_the_memory_limit():
+    """The real Ouro-1.4B shape must stay loadable under the limit (its KV is counted at 4096 positions)."""
+    ouro = {"model_type": "ouro", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "total_ut_steps": 4,
+            "max_position_embeddings": 65536}
+    cfg = S.Config.from_dict(ouro, "ouro")
+    assert sum(S._config_bytes(cfg).values()) < S.MAX_MODEL_BYTES
+
+
+def test_config_bytes_count_the_parameters():
+    """The memory estimate counts exactly the parameters the model allocates (8 bytes each)."""
+    cfg = S.Config(**TINY)
+    assert S._config_bytes(cfg)["parameters"] == 8 * sum(p.numel() for p in S.LoopedLM(cfg).parameters())
+
+
+def _bad_hf_config(path: Path, **override) -> Path:
+    d = S.config_to_hf(S.Config(**TINY)) | override
+    (path / "config.json").write_text(json.dumps(d))
+    return path
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"rope_scaling": [1, 2]}, "'rope_scaling'"), ({"layer_types": "full_attention"}, "'layer_types'"),
+    ({"layer_types": [1]}, "'layer_types'"), ({"hidden_act": 3}, "'hidden_act'"),
+    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"), ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
+    ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
+    ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
+    ({"initializer_range": float("nan")}, "'initializer_range'"), ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
+    ({"eos_token_id": ["a"]}, "'eos_token_id'"),
+])
+def test_hf_config_keys_are_type_checked(tmp_path, capsys, override, needle):
+    """Every config key is type-checked (booleans too): a wrong type is an error naming it, not a traceback."""
+    ckpt = _bad_hf_config(_tiny_checkpoint(tmp_path / "m"), **override)
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, str(ckpt / "config.json"), needle)
+
+
+def test_paths_are_checked(tmp_path, capsys):
+    """A --model that is a file, a config.json that is a folder, missing or folder inputs: one-line errors."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = _good_records(tmp_path)
+    rc, err = _verify_tiny(capsys, records, records)
+    assert rc == 2
+    _one_line_error(err, "--model", "is not a folder")
+    rc, err = _verify_tiny(capsys, ckpt, tmp_path)
+    assert rc == 2
+    _one_line_error(err, "--rollouts", "is not a file")
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 2
+    _one_line_error(err, "config.json", "is not a file")
+    rc, err = _run(capsys, ["train", "--config", str(tmp_path / "nope.json"), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "--config", "no such file")
+    rc, err = _run(capsys, ["train", "--data", str(tmp_path), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "--data", "is not a file")
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"model": 3}'])
+def test_bad_tokenizer_is_one_line(tmp_path, capsys, content):
+    """train --model with a folder or a corrupt tokenizer.json: exit 2 naming it, no traceback."""
+    pytest.importorskip("tokenizers")
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    if content is None:
+        (ckpt / "tokenizer.json").mkdir()
+    else:
+        (ckpt / "tokenizer.json").write_text(content)
+    rc, err = _run(capsys, ["train", "--model", str(ckpt), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "tokenizer.json")
+
+
+# Raw record lines that no JSON reader should turn into a traceback: each must be exit 2 naming line 2.
+RAW_BAD_LINES = [
+    ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
+     + "1" * 400 + "}", "digits"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [-' + "1" * 400 + "]}", "digits"),
+    ('{"prompt_ids": [' + "1" * 5000 + '], "completion_ids": [], "exit_loops": [], "logprobs": []}', "digits"),
+]
+
+
+@pytest.mark.parametrize("line,needle", RAW_BAD_LINES)
+def test_hostile_json_lines_exit_2_naming_the_line(tmp_path, capsys, line, needle):
+    """Deep nesting and huge numbers are refused by limits, naming file and line (not RecursionError)."""
+    records = _good_records(tmp_path, line)
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", needle)
+
+
+def test_non_utf8_and_lone_surrogate_name_file_and_line(tmp_path, capsys):
+    """Bytes that are not UTF-8 and a prompt with a lone surrogate are errors naming file and line."""
+    records = tmp_path / "r.jsonl"
+    records.write_bytes(json.dumps(GOOD_RECORD).encode() + b"\n\xff\xfe\n")
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", "UTF-8")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": "\\ud800"}\n')
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:2:", "'prompt'")
+    prompts.write_text("[" * 100_000 + "\n")
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:1:", "nested deeper")
+
+
+def _flags(tmp_path, command: str) -> list[str]:
+    """A valid command line for `command` on tiny inputs; a bad flag appended overrides a good one."""
+    records = _good_records(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    return {"train": ["train", "--config", TINY_JSON, "--steps", "1", "--sft-steps", "50", "--device", "cpu",
+                      "--out", str(tmp_path / "out")],
+            "verify": ["verify", "--config", TINY_JSON, "--rollouts", str(records)],
+            "rollout": ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(tmp_path / "out")],
+            "demo": ["demo", "--out", str(tmp_path / "out")]}[command]
+
+
+BAD_FLAGS = [
+    ("verify", "--atol", "nan"), ("verify", "--atol", "-1"), ("verify", "--min-loops", "-1"),
+    ("verify", "--flip-margin", "nan"), ("verify", "--exit-threshold", "inf"), ("verify", "--init-seed", "-1"),
+    ("train", "--max-grad-norm", "nan"), ("train", "--max-grad-norm", "-1"), ("train", "--epsilon-low", "-1"),
+    ("train", "--epsilon-low", "inf"), ("train", "--epsilon-low", "1e308"), ("train", "--epsilon-high", "1e308"),
+    ("train", "--beta", "-1"), ("train", "--beta", "nan"), ("train", "--lr", "inf"), ("train", "--lr", "-1"),
+    ("train", "--temperature", "inf"), ("train", "--subset", "-1"), ("train", "--prompts-per-step", str(10**30)),
+    ("train", "--steps", "0"), ("train", "--mu", "0"), ("train", "--group-size", "0"), ("train", "--seed", "-1"),
+    ("train", "--save-every", "0"), ("train", "--max-new-tokens", "0"), ("train", "--device", "tpu"),
+    ("rollout", "--exit-threshold", "nan"), ("rollout", "--eos-id", "-1"), ("rollout", "--eos-id", str(10**30)),
+    ("rollout", "--temperature", "inf"), ("rollout", "--max-new-tokens", "0"),
+    ("demo", "--lr", "nan"), ("demo", "--problems", "0"), ("demo", "--steps", "-1"),
+]
+
+
+@pytest.mark.parametrize("command,flag,value", BAD_FLAGS)
+def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, flag, value):
+    """Every flag is checked (finite, in range, integer) before any work: exit 2 naming the flag, no
+    output (the warm start has not run) and nothing written."""
+    rc, err = _run(capsys, _flags(tmp_path, command) + [flag, value])
+    assert rc == 2
+    _one_line_error(err, flag)
+    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+
+
+def test_eos_id_outside_the_vocabulary_refused(tmp_path, capsys):
+    """--eos-id beyond the model's vocabulary is refused before sampling, writing nothing."""
+    rc, err = _run(capsys, _flags(tmp_path, "rollout") + ["--eos-id", "260"])
+    assert rc == 2 and not (tmp_path / "out").exists()
+    _one_line_error(err, "--eos-id 260")
+
+
+@pytest.mark.parametrize("out", ["/proc/scalerlt-issue14/run", "FILE"])
+def test_unwritable_out_refused_before_any_work(tmp_path, capsys, out):
+    """An --out that cannot be written (read-only file system, an existing file) is found up front."""
+    if out == "FILE":
+        out = str(tmp_path / "a-file")
+        Path(out).write_text("x")
+    rc, err = _run(capsys, _flags(tmp_path, "train")[:-1] + [out])
+    assert rc == 2
+    _one_line_error(err, "--out")
+    assert capsys.readouterr().out == ""
+
+
+def test_disk_error_is_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk while saving is a one-line error naming the file, not a traceback."""
+    def full(out, *a, **k):
+        raise OSError(28, "No space left on device", str(out / "trainer_state.pt"))
+    monkeypatch.setattr(S, "save_trainer_state", full)
+    rc, err = _run(capsys, _flags(tmp_path, "train")[:-1] + [str(tmp_path / "run"), "--sft-steps", "0",
+                                                                "--prompts-per-step", "1", "--group-size", "2",
+                                                                "--max-new-tokens", "2"])
+    assert rc == 2
+    _one_line_error(err, "No space left on device", "trainer_state.pt")
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--max-grad-norm", "nan")])
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
+    """Past the flag checks (switched off here, as a caller that skips them would), an optimizer step that
+    writes non-finite weights stops training before the step is saved."""
+    out = tmp_path / "run"
+    args = S.build_parser().parse_args(_flags(tmp_path, "train")[:-1] + [
+        str(out), "--sft-steps", "0", "--save-every", "1", "--reward", "digits", "--prompts-per-step", "2",
+        "--group-size", "2", "--max-new-tokens", "4", flag, value])
+    with pytest.raises(ValueError, match=flag):
+        S.train_config_from_args(args)  # the checks refuse it first
+    monkeypatch.setattr(S.TrainConfig, "validate", lambda self: None)
+    with pytest.raises(S.NonFiniteError, match="parameters are not finite after the optimizer step"):
+        S.train(S.train_config_from_args(args), log=lambda *_: None)
+    assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
+
+
+def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys):
+    """--resume loads trainer_state.pt without unpickling (weights_only), drops and reports a torn last
+    metrics line, and removes temp files left by an interrupted write."""
+    out = tmp_path / "b"
+    assert _train(tmp_path, "--out", str(out), "--steps", "1") == 0
+    torch.load(out / "trainer_state.pt", weights_only=True)  # tensors and plain data only
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward": 0.5, "clip')  # a run killed mid-write
+    stale = out / ".model.safetensors.tmp999999999"  # no process has this pid
+    stale.write_bytes(b"half a file")
+    capsys.readouterr()
+    assert _train(tmp_path, "--out", str(out), "--resume") == 0
+    printed = capsys.readouterr().out
+    assert "dropped a torn last line" in printed and "removed" in printed and not stale.exists(), printed
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], steps
+
+
+# --- fuzz: generated bad records and configs -------------------------------------------------------
+
+def _main_captured(argv: list[str]) -> tuple[int, str]:
+    """S.main with stdout and stderr captured (hypothesis tests cannot use the function-scoped capsys)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        rc = S.main(argv)
+    return rc, err.getvalue()
+
+
+_HUGE = 10**400  # json.dumps writes it; reading it must hit the number limit, not OverflowError
+_NOT_A_NUMBER = st.sampled_from([float("nan"), float("inf"), -float("inf"), "1", None, True, [1], {"a": 1}, _HUGE])
+_DEEP = st.integers(S.JSON_MAX_DEPTH, 3 * S.JSON_MAX_DEPTH).map(lambda n: json.loads("[" * n + "]" * n))
+
+
+@st.composite
+def bad_records(draw) -> str:
+    """One record line that must be refused: a good record with one field (or one element) made bad."""
+    rec = json.loads(json.dumps(GOOD_RECORD))
+    key = draw(st.sampled_from(["prompt_ids", "completion_ids", "exit_loops", "logprobs", "temperature", "whole"]))
+    if key == "whole":
+        return draw(st.sampled_from(['{"prompt_ids": [1', "[1, 2]", '"text"', "nul\x00l", "{}"]))
+    if key == "temperature":
+        rec[key] = draw(st.one_of(_NOT_A_NUMBER, st.sampled_from([-1.0, -1e-300, 5e-324]), _DEEP))
+    elif draw(st.booleans()):
+        rec[key] = draw(st.one_of(st.sampled_from([None, "x", 3, {"a": 1}, True]), _DEEP))
+    else:
+        i = draw(st.integers(0, len(rec[key]) - 1))
+        ids = st.sampled_from([-1, 50, 10**30, 1.5, "1", None, True, _HUGE])  # TINY's vocabulary is 0..49
+        bad = {"prompt_ids": ids, "completion_ids": ids, "exit_loops": st.sampled_from([0, 3, -1, 1.0, "1", True]),
+               "logprobs": _NOT_A_NUMBER}[key]
+        rec[key][i] = draw(st.one_of(bad, _DEEP))
+    return json.dumps(rec)
+
+
+@examples(40)
+@given(line=bad_records())
+def test_fuzzed_bad_records_exit_2_naming_file_and_line(tmp_path_factory, line):
+    """Whatever is wrong with a record, verify exits 2 with one line naming the file and line, never a
+    traceback, never agreement."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    records = tmp / "r.jsonl"
+    records.write_text(json.dumps(GOOD_RECORD) + "\n" + line + "\n")
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps(TINY))
+    rc, err = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    assert rc == 2, line
+    _one_line_error(err, f"{records}:2:")
+
+
+_INT_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "total_ut_steps", "max_position_embeddings"]
+_BAD_INT = st.sampled_from([0, -1, "4", 2.5, True, None, [1], float("nan"), 10**13, _HUGE])
+
+
+@st.composite
+def bad_configs(draw) -> tuple[str, object]:
+    """(key, value) that no config may have."""
+    return draw(st.one_of(
+        st.tuples(st.sampled_from(_INT_KEYS), _BAD_INT),
+        st.tuples(st.just("head_dim"), st.sampled_from([-2, 3, "8", 2.5, True, [8], 2**40])),
+        st.tuples(st.sampled_from(["early_exit_threshold", "rope_theta", "rms_norm_eps", "initializer_range"]),
+                  st.sampled_from([float("nan"), float("inf"), "1", True, None, [1], _HUGE])),
+        st.tuples(st.sampled_from(["rope_theta", "rms_norm_eps", "initializer_range"]), st.just(-1.0)),
+        st.tuples(st.just("tie_word_embeddings"), st.sampled_from(["yes", 1, 0, float("nan"), [True], None])),
+        st.tuples(st.sampled_from(["bos_token_id", "eos_token_id", "pad_token_id"]),
+                  st.sampled_from([-1, 50, "1", 1.5, True, _HUGE])),
+    ))
+
+
+@examples(40)
+@given(bad=bad_configs())
+def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
+    """Whatever is wrong with a config key, verify exits 2 with one line naming the file and the key (or
+    the bytes the config would need), never a traceback and never an allocation."""
+    key, value = bad
+    tmp = tmp_path_factory.mktemp("fuzz")
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps(TINY | {key: value}))
+    records = _good_records(tmp)
+    rc, msg = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    assert rc == 2, (key, value)
+    _one_line_error(msg, str(cfg))
+    assert repr(key) in msg or "bytes" in msg or "digits" in msg, msg
+
+
+def test_default_flags_pass_their_checks(tmp_path):
+    """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
+    parse = S.build_parser().parse_args
+    S.check_demo_flags(parse(["demo", "--out", str(tmp_path / "d")]))
+    S.check_bench_flags(parse(["bench"]))
+    S.check_train_flags(parse(["train", "--device", "cpu"]))
+    S.check_verify_flags(parse(_flags(tmp_path, "verify")))
+    S.check_rollout_flags(parse(_flags(tmp_path, "rollout")))
+    with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
+        S.check_bench_flags(parse(["bench", "--repeats", "0"]))
+    assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
+
+
+@st.composite
+def bad_prompt_lines(draw) -> str:
+    """One prompts-file line that `rollout` must refuse (tiny.json: vocabulary 0..259)."""
+    ids = st.one_of(st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]),
+                    _DEEP.map(lambda x: [x]))
+    return draw(st.one_of(
+        ids.map(lambda v: json.dumps({"prompt_ids": v})),
+        st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
+        st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
+        _DEEP.map(json.dumps),
+    ))
+
+
+@examples(25)
+@given(line=bad_prompt_lines())
+def test_fuzzed_bad_prompts_exit_2_naming_file_and_line(tmp_path_factory, line):
+    """Whatever is wrong with a prompt line, rollout exits 2 naming file and line and writes nothing."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    prompts, out = tmp / "p.jsonl", tmp / "o.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")
+    rc, err = _main_captured(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists(), line
+    _one_line_error(err, f"{prompts}:2:")
