@@ -29,7 +29,7 @@ re-executes the *same* calls through the *same* function and so gets the *same* 
 How the file reads. Everything the method needs comes first, in this order, and nothing in it uses a
 name defined further down: config -> numerics -> model -> exit rule -> KV cache -> calls and schedules
 -> the policy (log-probs, sampling, the readout) -> rollouts -> learner log-probs -> GRPO. Then a
-banner, and below it the tooling: HF configs and checkpoints, tokenizers, data and rewards, the warm
+banner, and below it the tooling: config files and HF checkpoints, tokenizers, data and rewards, the warm
 start, the trainer and torchrun, the oracle, the bench, the commands.
 
 What the tests (test_ref.py) prove, each with its test:
@@ -101,7 +101,8 @@ def _is_finite_number(v) -> bool:
 @dataclass
 class Config:
     """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from
-    checkpoint to code); HF files are translated under "HF configs and checkpoints", below the seam."""
+    checkpoint to code). Reading files (`Config.from_json`, `Config.from_dict`, HF config.json) is
+    tooling, attached under "Config files and HF checkpoints", below the seam."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
@@ -132,28 +133,39 @@ class Config:
                 raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
             if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"config key {name!r} must be >= 1, got {getattr(self, name)}")
         if self.total_ut_steps < 1:
             raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {self.total_ut_steps}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(f"config key 'num_attention_heads' ({self.num_attention_heads}) must divide "
-                                 f"'hidden_size' ({self.hidden_size}) when 'head_dim' is not given")
+                raise ValueError(
+                    f"config key 'num_attention_heads' ({self.num_attention_heads}) must divide "
+                    f"'hidden_size' ({self.hidden_size}) when 'head_dim' is not given"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), "
-                             f"got {self.head_dim}")
+            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
-                             f"'num_attention_heads' ({self.num_attention_heads})")
+            raise ValueError(
+                f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
+                f"'num_attention_heads' ({self.num_attention_heads})"
+            )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
         if self.early_exit_threshold is None or not math.isfinite(self.early_exit_threshold):
-            raise ValueError(f"config key 'early_exit_threshold' must be a finite number, "
-                             f"got {self.early_exit_threshold}")
+            raise ValueError(
+                f"config key 'early_exit_threshold' must be a finite number, got {self.early_exit_threshold}"
+            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -184,7 +196,7 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
         return fn(*rows)
     if numerics != "invariant":
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    return torch.cat([fn(*(t[i:i + 1] for t in rows)) for i in range(rows[0].shape[0])])
+    return torch.cat([fn(*(t[i : i + 1] for t in rows)) for i in range(rows[0].shape[0])])
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
@@ -278,7 +290,7 @@ class Attention(nn.Module):
         qpos[slot, j] = pos  # (nb, m); padding rows sit at position 0 and are dropped below
         K = k_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
         V = v_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
-        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D ** -0.5  # (nb, H, m, Tk)
+        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (nb, H, m, Tk)
         # The mask, for one sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
         #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
         #   row at pos 4:  x x x x x      this call (written above); later positions are masked
@@ -339,7 +351,7 @@ class LoopedLM(nn.Module):
     then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
     lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
     Checkpoint I/O (`from_pretrained`, `save_pretrained`) is tooling: it is attached to this class
-    under "HF configs and checkpoints", below the seam.
+    under "Config files and HF checkpoints", below the seam.
     """
 
     def __init__(self, cfg: Config, *, seed: int = 0):
@@ -352,8 +364,9 @@ class LoopedLM(nn.Module):
             if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
                 continue  # norms start at 1
             with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range if p.dim() > 1
-                        else torch.zeros(p.shape))
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * cfg.initializer_range if p.dim() > 1 else torch.zeros(p.shape)
+                )
         self._rope: dict = {}
 
     @property
@@ -370,8 +383,15 @@ class LoopedLM(nn.Module):
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
-    def loop(self, x: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, k: list[torch.Tensor],
-             v: list[torch.Tensor], numerics: str = "fast") -> torch.Tensor:
+    def loop(
+        self,
+        x: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        numerics: str = "fast",
+    ) -> torch.Tensor:
         """One pass of some rows through all L layers of one loop, then the final norm.
 
         x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); seq, pos (n,)
@@ -488,10 +508,12 @@ class LoopCache:
     def empty(cls, model: LoopedLM, B: int, T: int) -> "LoopCache":
         cfg, dt, dev = model.config, model.dtype, model.device
         kv = lambda: torch.zeros(B, cfg.num_key_value_heads, T, cfg.head_dim, dtype=dt, device=dev)  # noqa: E731
-        return cls(k=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
-                   v=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
-                   h=torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev),
-                   depth=torch.zeros(B, T, dtype=torch.long, device=dev))
+        return cls(
+            k=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
+            v=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
+            h=torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev),
+            depth=torch.zeros(B, T, dtype=torch.long, device=dev),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -525,8 +547,16 @@ class Schedule:
 
     def to_json(self) -> str:
         calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
-        return json.dumps({"mode": self.mode, "numerics": self.numerics, "dtype": self.dtype, "loops": self.loops,
-                           "kv": self.kv, "calls": calls})
+        return json.dumps(
+            {
+                "mode": self.mode,
+                "numerics": self.numerics,
+                "dtype": self.dtype,
+                "loops": self.loops,
+                "kv": self.kv,
+                "calls": calls,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
@@ -682,12 +712,21 @@ class Rollout:
         T = max(len(p) + len(c) for p, c in zip(self.prompts, self.completions))
         out = torch.zeros(len(self.prompts), T, dtype=torch.long)
         for b, (p, c) in enumerate(zip(self.prompts, self.completions)):
-            out[b, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            out[b, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         return out.to(device) if device is not None else out
 
 
-def _check_rollout_args(model: LoopedLM, prompts: list[list[int]], mode: str, numerics: str, kv: str,
-                        min_loops: int, max_new_tokens: int, temperature: float, sequence_ids) -> None:
+def _check_rollout_args(
+    model: LoopedLM,
+    prompts: list[list[int]],
+    mode: str,
+    numerics: str,
+    kv: str,
+    min_loops: int,
+    max_new_tokens: int,
+    temperature: float,
+    sequence_ids,
+) -> None:
     """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
     cfg, R = model.config, model.config.total_ut_steps
     if mode not in ("dense", "deferred"):
@@ -697,8 +736,9 @@ def _check_rollout_args(model: LoopedLM, prompts: list[list[int]], mode: str, nu
     if kv not in KV_MODES:
         raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
     if kv == "last_exited" and mode != "deferred":
-        raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit); "
-                         "use mode='deferred'")
+        raise ValueError(
+            "kv='last_exited' is a deferred engine's policy (positions stop at their exit); use mode='deferred'"
+        )
     if not 1 <= min_loops <= R:
         raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
     if max_new_tokens < 1:
@@ -709,18 +749,31 @@ def _check_rollout_args(model: LoopedLM, prompts: list[list[int]], mode: str, nu
         if not p:
             raise ValueError(f"prompt {b} is empty")
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {b}: {len(p)} tokens + {max_new_tokens} new exceed the position limit "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
+            raise ValueError(
+                f"prompt {b}: {len(p)} tokens + {max_new_tokens} new exceed the position limit "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
         _check_ids(torch.tensor(p), cfg, f"prompt {b}")
     if sequence_ids is not None and len(sequence_ids) != len(prompts):
         raise ValueError(f"sequence_ids has {len(sequence_ids)} entries for {len(prompts)} prompts")
 
 
 @torch.no_grad()
-def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred", numerics: str = "fast",
-            max_new_tokens: int = 32, temperature: float = 1.0, exit_threshold: float | None = None,
-            min_loops: int = 1, seed: int = 0, eos_id: int | None = None, kv: str = "exact",
-            sequence_ids: list[int] | None = None) -> Rollout:
+def rollout(
+    model: LoopedLM,
+    prompts: list[list[int]],
+    *,
+    mode: str = "deferred",
+    numerics: str = "fast",
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    exit_threshold: float | None = None,
+    min_loops: int = 1,
+    seed: int = 0,
+    eos_id: int | None = None,
+    kv: str = "exact",
+    sequence_ids: list[int] | None = None,
+) -> Rollout:
     """Sample completions for a batch of prompts of different lengths; record everything.
 
     mode "dense": every position runs all R loops; the exit only picks the readout loop.
@@ -780,8 +833,11 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
             # 2) The deferral rule (SPEC §4): a sequence that takes part brings every position up to its
             #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
             #    positions that exited before loop r, riding along, in position order.
-            rows = [(b, int(p)) for b in taking_part
-                    for p in (cache.depth[b, :newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()]
+            rows = [
+                (b, int(p))
+                for b in taking_part
+                for p in (cache.depth[b, : newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()
+            ]
             call = Call(r, rows)
             h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
             # 3) The exit decision of each newest position still undecided: its own gates, its own rule.
@@ -814,9 +870,16 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
                 newest[b] += 1
                 tokens[b, newest[b]] = completions[b][-1]
     mask = torch.tensor([[k < len(c) for k in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
-    return Rollout(prompts=[list(p) for p in prompts], completions=completions, exit_loops=exits,
-                   logprobs=logprobs, mask=mask, schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
-                   temperature=temperature, kv=kv)
+    return Rollout(
+        prompts=[list(p) for p in prompts],
+        completions=completions,
+        exit_loops=exits,
+        logprobs=logprobs,
+        mask=mask,
+        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
+        temperature=temperature,
+        kv=kv,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -824,8 +887,13 @@ def rollout(model: LoopedLM, prompts: list[list[int]], *, mode: str = "deferred"
 # ---------------------------------------------------------------------------------------------------
 
 
-def execute_schedule(model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
-                     on_call: Callable[[Call, torch.Tensor], None] | None = None) -> torch.Tensor:
+def execute_schedule(
+    model: LoopedLM,
+    ro: Rollout,
+    calls: list[Call],
+    numerics: str,
+    on_call: Callable[[Call, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
@@ -869,11 +937,18 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
     calls = []
     for r in range(1, loops + 1):
-        rows = [(b, p) for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-                for p in range(len(pr) + len(c) - 1)
-                if kv_teacher_forced_runs(ro.kv, p, len(pr), e[p - len(pr) + 1] if p >= len(pr) else 0, r)]
-        readout = [(b, len(pr) - 1 + k) for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
-                   for k in range(len(e)) if e[k] == r]
+        rows = [
+            (b, p)
+            for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
+            for p in range(len(pr) + len(c) - 1)
+            if kv_teacher_forced_runs(ro.kv, p, len(pr), e[p - len(pr) + 1] if p >= len(pr) else 0, r)
+        ]
+        readout = [
+            (b, len(pr) - 1 + k)
+            for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
+            for k in range(len(e))
+            if e[k] == r
+        ]
         calls.append(Call(r, rows, readout))
     return calls
 
@@ -911,8 +986,9 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> torch.Tensor:
     """rewards (B,) float, B = prompts * group_size, groups contiguous -> advantages (B,) float32.
 
     A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
@@ -929,10 +1005,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     return adv.reshape(-1)
 
 
-def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-              epsilon_low: float = 0.2, epsilon_high: float = 0.2, loss_agg: str = "token_mean",
-              ref_logp: torch.Tensor | None = None, beta: float = 0.0, max_new_tokens: int | None = None,
-              normaliser: float | None = None) -> tuple[torch.Tensor, dict]:
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_agg: str = "token_mean",
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    max_new_tokens: int | None = None,
+    normaliser: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
 
     Per token: ratio = exp(logp - logp_old); term = min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A),
@@ -1018,24 +1104,31 @@ def _check_finite_params(model: nn.Module, when: str) -> None:
 def _check_sampled_logprobs(model: LoopedLM, ro: Rollout) -> None:
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:
-        raise NonFiniteError(f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
-                             f"(non-finite parameters: {_nonfinite_parameters(model)})")
+        raise NonFiniteError(
+            f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
+            f"(non-finite parameters: {_nonfinite_parameters(model)})"
+        )
 
 
 def _check_finite_logprobs(model: LoopedLM, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
     if not bool(torch.isfinite(tf.detach()[mask]).all()):
-        raise NonFiniteError(f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
-                             f"parameters: {_nonfinite_parameters(model)})")
+        raise NonFiniteError(
+            f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
+            f"parameters: {_nonfinite_parameters(model)})"
+        )
 
 
 def _check_finite_loss(loss: torch.Tensor, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
     if not torch.isfinite(loss):
-        raise NonFiniteError(f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
-                             f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)")
+        raise NonFiniteError(
+            f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
+            f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)"
+        )
 
 
-def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor,
-                           mask: torch.Tensor, check_replay: bool) -> dict:
+def _audit_first_iteration(
+    model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, check_replay: bool
+) -> dict:
     """Replay (if asked) and compare with the sampler bit for bit; measure what a naive learner would be off."""
     metrics = {}
     if check_replay:
@@ -1044,8 +1137,10 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_
         metrics["exact/mismatched_tokens"] = mismatched
         metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
         if mismatched:
-            raise ReplayMismatchError(f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
-                                      "the learner would be off-policy (is the device nondeterministic?)")
+            raise ReplayMismatchError(
+                f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
+                "the learner would be off-policy (is the device nondeterministic?)"
+            )
     metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
     return metrics
 
@@ -1069,15 +1164,25 @@ def _all_reduce_grads(model: LoopedLM, all_reduce) -> None:
 
 def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
     rw = rewards.float().view(-1, group_size)  # (prompts, group_size)
-    return {"reward": float(rw.mean()), "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
-            "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
-            "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
-            "completions/mean_length": float(ro.mask.sum(1).float().mean())}
+    return {
+        "reward": float(rw.mean()),
+        "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
+        "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
+        "completions/mean_length": float(ro.mask.sum(1).float().mean()),
+    }
 
 
-def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: torch.Tensor, grpo: GRPOConfig,
-                numerics: str = "fast", ref_model: LoopedLM | None = None,
-                all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+def grpo_update(
+    model: LoopedLM,
+    opt: torch.optim.Optimizer,
+    ro: Rollout,
+    rewards: torch.Tensor,
+    grpo: GRPOConfig,
+    numerics: str = "fast",
+    ref_model: LoopedLM | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict:
     """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
 
     Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's recorded
@@ -1106,9 +1211,18 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
         else:
             value = replay_logprobs(model, ro).to(model.device)  # the schedule, replayed with the new weights
         logp = hybrid(value, tf)  # (B, N): value bits from `value`, gradient from tf
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, epsilon_low=grpo.epsilon_low,
-                                epsilon_high=grpo.epsilon_high, loss_agg=grpo.loss_agg, ref_logp=ref_logp,
-                                beta=grpo.beta, normaliser=normaliser)
+        loss, stats = grpo_loss(
+            logp,
+            logp_old,
+            adv,
+            mask,
+            epsilon_low=grpo.epsilon_low,
+            epsilon_high=grpo.epsilon_high,
+            loss_agg=grpo.loss_agg,
+            ref_logp=ref_logp,
+            beta=grpo.beta,
+            normaliser=normaliser,
+        )
         _check_finite_loss(loss, tf, mask, it)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1128,7 +1242,7 @@ def grpo_update(model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, reward
 
 # ===================================================================================================
 # THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
-# all. Everything below is tooling (HF configs and checkpoints, tokenizers, data and rewards, the warm
+# all. Everything below is tooling (config files and HF checkpoints, tokenizers, data and rewards, the warm
 # start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it.
 # ===================================================================================================
 
@@ -1180,8 +1294,10 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
             raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
     m = re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare)
     if m:
-        raise ValueError(f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
-                         f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)")
+        raise ValueError(
+            f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
+            f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
+        )
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -1208,8 +1324,11 @@ def _config_bytes(cfg) -> dict[str, int]:
     T = min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
     layer = C * H * D * 2 + C * G * D * 2 + 3 * C * I + 4 * C  # q, o; k, v; MLP; the four norms
     params = 2 * V * C + L * layer + C + C + 1  # embedding, head, layers, final norm, exit gate
-    return {"parameters": 8 * params, "rope": 8 * 2 * cfg.max_position_embeddings * D,
-            "kv_cache": 8 * (2 * R * L * G * T * D + T * C)}
+    return {
+        "parameters": 8 * params,
+        "rope": 8 * 2 * cfg.max_position_embeddings * D,
+        "kv_cache": 8 * (2 * R * L * G * T * D + T * C),
+    }
 
 
 def _check_config_size(cfg) -> None:
@@ -1217,23 +1336,48 @@ def _check_config_size(cfg) -> None:
     need = _config_bytes(cfg)
     if sum(need.values()) > MAX_MODEL_BYTES:
         parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-        raise ValueError(f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
-                         f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
-                         f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)")
-
+        raise ValueError(
+            f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
+            f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
+            f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
+        )
 
 
 _HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
-    "architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version",
-    "use_cache", "initializer_range", "attention_dropout", "max_window_layers", "sliding_window",
-    "use_sliding_window", "layer_types", "hidden_act", "rope_scaling", "attention_bias",
-    "early_exit_step", "chunk_size", "_name_or_path", "is_decoder", "output_hidden_states",
+    "architectures",
+    "auto_map",
+    "model_type",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "max_window_layers",
+    "sliding_window",
+    "use_sliding_window",
+    "layer_types",
+    "hidden_act",
+    "rope_scaling",
+    "attention_bias",
+    "early_exit_step",
+    "chunk_size",
+    "_name_or_path",
+    "is_decoder",
+    "output_hidden_states",
 }
 
 _HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves out
-    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "total_ut_steps": 4, "tie_word_embeddings": False,
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "total_ut_steps": 4,
+    "tie_word_embeddings": False,
 }
 
 
@@ -1290,8 +1434,11 @@ def _build_config(kw: dict, source: str) -> Config:
 
 
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
-    "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
-    "layer_types": (list, type(None)), "attention_bias": (bool, type(None)),
+    "hidden_act": (str,),
+    "rope_scaling": (dict, type(None)),
+    "use_sliding_window": (bool, type(None)),
+    "layer_types": (list, type(None)),
+    "attention_bias": (bool, type(None)),
     "eos_token_id": (int, list, type(None)),
 }
 
@@ -1300,8 +1447,10 @@ def _check_hf_types(d: dict, source: str):
     """Type-check the HF keys read below, so a list where an object belongs is an error, not a traceback."""
     for key, types in _HF_KEY_TYPES.items():
         if key in d and not isinstance(d[key], types):
-            raise ValueError(f"{source}: key {key!r} = {d[key]!r} has the wrong type "
-                             f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})")
+            raise ValueError(
+                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
+                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
+            )
     if not all(isinstance(x, str) for x in d.get("layer_types") or []):
         raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
     eos = d.get("eos_token_id")
@@ -1318,8 +1467,7 @@ def _check_hf_semantics(d: dict, source: str):
     if rope_scaling not in (None, {}) and (rope_scaling or {}).get("rope_type", "default") != "default":
         raise ValueError(f"{source}: key 'rope_scaling' = {rope_scaling!r}; only plain RoPE is implemented")
     if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') "
-                         "is not implemented")
+        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
     if d.get("attention_bias"):
         raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
 
@@ -1327,8 +1475,14 @@ def _check_hf_semantics(d: dict, source: str):
 def config_to_hf(cfg: Config) -> dict:
     """The HF Ouro config.json of a model (so HF's own code can load what we save)."""
     d = dataclasses.asdict(cfg)
-    d.update(model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu",
-             rope_scaling=None, use_sliding_window=False, attention_dropout=0.0)
+    d.update(
+        model_type="ouro",
+        architectures=["OuroForCausalLM"],
+        hidden_act="silu",
+        rope_scaling=None,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+    )
     return d
 
 
@@ -1338,12 +1492,14 @@ def load_config(path: str | os.PathLike) -> Config:
     path = Path(path)
     return config_from_dict(_load_json_limited(_read_text(path, "config"), path), str(path))
 
+
 def _safetensors():
     try:
         import safetensors.torch as st
     except ImportError:
-        raise ImportError("reading or writing checkpoints needs the optional package safetensors: "
-                          "pip install safetensors") from None
+        raise ImportError(
+            "reading or writing checkpoints needs the optional package safetensors: pip install safetensors"
+        ) from None
     return st
 
 
@@ -1389,8 +1545,9 @@ def _index_shards(index: Path) -> list[str]:
 def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Refuse a checkpoint with non-floating-point or non-finite tensors, listing them (a cast would hide
     the first, and the second makes every log-prob NaN, which no comparison should count as agreement)."""
-    not_float = sorted(f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items()
-                       if not v.is_floating_point())
+    not_float = sorted(
+        f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if not v.is_floating_point()
+    )
     if not_float:
         raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
     non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
@@ -1398,8 +1555,9 @@ def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> LoopedLM:
+def load_checkpoint(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoopedLM:
     """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index)."""
     st = _safetensors()
     path = _check_path(path, "folder", "checkpoint")
@@ -1425,16 +1583,20 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
-                       for k in set(expected) & set(tensors) if tensors[k].shape != expected[k].shape)
+    misshapen = sorted(
+        f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+        for k in set(expected) & set(tensors)
+        if tensors[k].shape != expected[k].shape
+    )
     if missing or unexpected or misshapen:
-        raise ValueError(f"{path}: checkpoint does not match its config.json:\n"
-                         f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
-                         f"  misshapen tensors: {misshapen}")
+        raise ValueError(
+            f"{path}: checkpoint does not match its config.json:\n"
+            f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+            f"  misshapen tensors: {misshapen}"
+        )
     model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
     model.load_state_dict(tensors)
     return model.to(device=device)
-
 
 
 # The HF-style entry points of the model, attached here so that the model's section needs nothing
@@ -1470,8 +1632,9 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ImportError("a checkpoint's tokenizer.json needs the optional package tokenizers: "
-                              "pip install tokenizers") from None
+            raise ImportError(
+                "a checkpoint's tokenizer.json needs the optional package tokenizers: pip install tokenizers"
+            ) from None
         path = _check_path(path, "file", "tokenizer")
         try:
             self._tok = Tokenizer.from_file(str(path))
@@ -1485,7 +1648,6 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1583,10 +1745,33 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
     return rows
 
 
-_NAMES = ["Ann", "Ben", "Cal", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lee", "Max", "Ned",
-          "Oli", "Pam", "Rex", "Sam", "Tom", "Uma", "Val", "Wes", "Zoe", "Ada"]
-_THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups", "stamps", "rocks", "toys",
-           "hats"]
+_NAMES = [
+    "Ann",
+    "Ben",
+    "Cal",
+    "Dee",
+    "Eve",
+    "Fay",
+    "Gus",
+    "Hal",
+    "Ivy",
+    "Jo",
+    "Kim",
+    "Lee",
+    "Max",
+    "Ned",
+    "Oli",
+    "Pam",
+    "Rex",
+    "Sam",
+    "Tom",
+    "Uma",
+    "Val",
+    "Wes",
+    "Zoe",
+    "Ada",
+]
+_THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups", "stamps", "rocks", "toys", "hats"]
 
 
 def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
@@ -1598,8 +1783,10 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        name, thing = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))], \
-            _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
+        name, thing = (
+            _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))],
+            _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))],
+        )
         a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
         if bool(torch.rand((), generator=gen) < 0.5):
             q, expr, ans = f"{name} has {a} {thing} and gets {b} more. How many {thing}?", f"{a}+{b}", a + b
@@ -1641,15 +1828,26 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
     """
     R = out.logits.shape[0]
     p = exit_distribution(out.gate_logits)  # (R, B, T), sums to 1 over loops
-    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(),
-                         reduction="none").view_as(p)  # (R, B, T)
+    ce = F.cross_entropy(
+        out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(), reduction="none"
+    ).view_as(p)  # (R, B, T)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
     per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
-def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size: int = 32,
-                   lr: float = 3e-3, beta: float = 0.05, seed: int = 0, log: Callable[[str], None] = print) -> float:
+def sft_warm_start(
+    model: LoopedLM,
+    tok,
+    problems: list[dict],
+    *,
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    beta: float = 0.05,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> float:
     """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
     last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -1664,8 +1862,8 @@ def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, ba
         mask = torch.zeros(batch_size, T, dtype=torch.bool)  # (B, T) completion tokens only
         for b, (p, c) in enumerate(pairs):
             seq = torch.tensor(p + c)
-            inputs[b, :len(seq) - 1], targets[b, :len(seq) - 1] = seq[:-1], seq[1:]
-            mask[b, len(p) - 1:len(seq) - 1] = True
+            inputs[b, : len(seq) - 1], targets[b, : len(seq) - 1] = seq[:-1], seq[1:]
+            mask[b, len(p) - 1 : len(seq) - 1] = True
         out = model.loop_outputs(inputs.to(model.device))
         loss = ouro_loss(out, targets.to(model.device), mask.to(model.device), beta)
         opt.zero_grad(set_to_none=True)
@@ -1678,14 +1876,29 @@ def sft_warm_start(model: LoopedLM, tok, problems: list[dict], *, steps: int, ba
 
 
 @torch.no_grad()
-def evaluate(model: LoopedLM, tok, problems: list[dict], *, mode: str = "deferred", max_new_tokens: int = 16,
-             batch_size: int = 100, min_loops: int = 1) -> dict:
+def evaluate(
+    model: LoopedLM,
+    tok,
+    problems: list[dict],
+    *,
+    mode: str = "deferred",
+    max_new_tokens: int = 16,
+    batch_size: int = 100,
+    min_loops: int = 1,
+) -> dict:
     """Greedy held-out accuracy (strict scorer) and the histogram of exit loops over generated tokens."""
     correct, hist = 0.0, [0] * model.config.total_ut_steps
     for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        ro = rollout(model, [encode_problem(tok, p)[0] for p in chunk], mode=mode, max_new_tokens=max_new_tokens,
-                     temperature=0.0, eos_id=tok.eos_id, min_loops=min_loops)
+        chunk = problems[i : i + batch_size]
+        ro = rollout(
+            model,
+            [encode_problem(tok, p)[0] for p in chunk],
+            mode=mode,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            eos_id=tok.eos_id,
+            min_loops=min_loops,
+        )
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
             correct += gsm8k_score(tok.decode(c), p["answer"])
             for x in e:
@@ -1713,23 +1926,44 @@ def _int_flags(args, lo: int, hi: int, *names: str) -> None:
         _want(args, name, isinstance(v, int) and lo <= v <= hi, f"an integer in {lo}..{hi:,}")
 
 
-def _real_flag(args, name: str, lo: float, hi: float = math.inf, *, lo_open: bool = False,
-               hi_open: bool = False, optional: bool = False) -> None:
+def _real_flag(
+    args,
+    name: str,
+    lo: float,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    optional: bool = False,
+) -> None:
     """--name must be a finite number in [lo, hi] (ends open where asked); None passes when optional."""
     v = getattr(args, name)
     if optional and v is None:
         return
     ok = _is_finite_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
     left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
-    _want(args, name, ok, "a finite number" if (lo, hi) == (-math.inf, math.inf) else
-          f"a finite number > {lo}" if lo_open and hi == math.inf else
-          f"a finite number >= {lo}" if hi == math.inf else f"a finite number in {left}{lo}, {hi}{right}")
+    _want(
+        args,
+        name,
+        ok,
+        "a finite number"
+        if (lo, hi) == (-math.inf, math.inf)
+        else f"a finite number > {lo}"
+        if lo_open and hi == math.inf
+        else f"a finite number >= {lo}"
+        if hi == math.inf
+        else f"a finite number in {left}{lo}, {hi}{right}",
+    )
 
 
 def _check_device(args) -> None:
     d = args.device
-    _want(args, "device", d in ("auto", "cpu") or re.fullmatch(r"cuda(:\d{1,3})?", d) is not None,
-          "cpu, cuda, cuda:N or auto")
+    _want(
+        args,
+        "device",
+        d in ("auto", "cpu") or re.fullmatch(r"cuda(:\d{1,3})?", d) is not None,
+        "cpu, cuda, cuda:N or auto",
+    )
     if d.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {d}: no CUDA device is available")
 
@@ -1767,11 +2001,17 @@ def check_train_flags(args) -> None:
     _int_flags(args, 1, 1000, "mu")
     _int_flags(args, 0, 10**9, "sft_steps")
     _int_flags(args, 0, MAX_SEED, "seed")
-    _want(args, "subset", args.subset is None or (isinstance(args.subset, int) and 1 <= args.subset <= MAX_COUNT),
-          f"an integer in 1..{MAX_COUNT:,}")
+    _want(
+        args,
+        "subset",
+        args.subset is None or (isinstance(args.subset, int) and 1 <= args.subset <= MAX_COUNT),
+        f"an integer in 1..{MAX_COUNT:,}",
+    )
     if args.prompts_per_step * args.group_size > MAX_COUNT:
-        raise ValueError(f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size:,} "
-                         f"sequences per step; at most {MAX_COUNT:,}")
+        raise ValueError(
+            f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size:,} "
+            f"sequences per step; at most {MAX_COUNT:,}"
+        )
     _real_flag(args, "temperature", 0.0)
     _real_flag(args, "lr", 0.0, lo_open=True)
     _real_flag(args, "max_grad_norm", 0.0, lo_open=True)
@@ -1815,8 +2055,12 @@ def check_rollout_flags(args) -> None:
     _check_model_flags(args)
     _int_flags(args, 1, MAX_COUNT, "max_new_tokens")
     _int_flags(args, 0, MAX_SEED, "seed")
-    _want(args, "eos_id", args.eos_id is None or (isinstance(args.eos_id, int) and 0 <= args.eos_id <= MAX_SEED),
-          "a token id >= 0")
+    _want(
+        args,
+        "eos_id",
+        args.eos_id is None or (isinstance(args.eos_id, int) and 0 <= args.eos_id <= MAX_SEED),
+        "a token id >= 0",
+    )
     _real_flag(args, "temperature", 0.0)
     _check_path(args.prompts, "file", "--prompts")
     _check_out(args.out, "file")
@@ -1883,47 +2127,36 @@ class TrainConfig:
     loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
     mu: int = _flag(1, "inner iterations per batch of rollouts")
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config")
-    reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)",
-                        choices=REWARDS)
+    reward: str = _flag(
+        "strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)", choices=REWARDS
+    )
     log_rollouts: bool = _flag(False, "append every rollout record to OUT/rollouts.rankN.jsonl")
     out: str | None = _flag(None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
     save_every: int = _flag(10, "checkpoint every N steps (and at the end)")
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
 
     def grpo(self) -> GRPOConfig:
-        return GRPOConfig(group_size=self.group_size, lr=self.lr, epsilon_low=self.epsilon_low,
-                          epsilon_high=self.epsilon_high, beta=self.beta, scale_rewards=self.scale_rewards,
-                          loss_agg=self.loss_agg, mu=self.mu, max_grad_norm=self.max_grad_norm)
+        return GRPOConfig(
+            group_size=self.group_size,
+            lr=self.lr,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            scale_rewards=self.scale_rewards,
+            loss_agg=self.loss_agg,
+            mu=self.mu,
+            max_grad_norm=self.max_grad_norm,
+        )
 
     def validate(self) -> None:
-        """Refuse bad settings before any work, naming the flag."""
-        def bad(name: str, why: str):
-            raise ValueError(f"--{name.replace('_', '-')} {why}, got {getattr(self, name)!r}")
+        """Refuse bad settings before any work, naming the flag (`check_train_flags`, plus the choices
+        that argparse checks for the command line and nothing checks for a TrainConfig built in Python)."""
         for f in dataclasses.fields(self):
-            v, choices = getattr(self, f.name), f.metadata.get("choices")
-            if choices and v not in choices:
-                bad(f.name, f"must be one of {', '.join(choices)}")
-            if isinstance(f.default, (int, float)) and not isinstance(f.default, bool) and (
-                    not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
-                bad(f.name, "must be a finite number")
-        for name in ("steps", "prompts_per_step", "group_size", "mu", "save_every", "max_new_tokens", "min_loops"):
-            if getattr(self, name) < 1:
-                bad(name, "must be >= 1")
-        if self.subset is not None and self.subset < 1:
-            bad("subset", "must be >= 1")
-        if self.sft_steps < 0:
-            bad("sft_steps", "must be >= 0")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        for name in ("lr", "max_grad_norm"):
-            if getattr(self, name) <= 0:
-                bad(name, "must be > 0")
-        if not 0 <= self.epsilon_low < 1:
-            bad("epsilon_low", "must be in [0, 1)")
-        if self.epsilon_high < 0:
-            bad("epsilon_high", "must be >= 0")
-        if self.beta < 0:
-            bad("beta", "must be >= 0")
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
+                )
         check_train_flags(self)
 
 
@@ -1937,11 +2170,13 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     dist = _distributed_setup(cfg)
     rank, world = dist["rank"], dist["world"]
     if cfg.prompts_per_step % world:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of "
-                         f"processes {world}")
+        raise ValueError(
+            f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {world}"
+        )
     say = log if rank == 0 else (lambda *_: None)
-    device = torch.device(cfg.device if cfg.device != "auto" else
-                          (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(
+        cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
+    )
     out = Path(cfg.out) if cfg.out else None
     if cfg.resume and not (out / "trainer_state.pt").exists():
         raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
@@ -1973,42 +2208,65 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
             m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
         except (NonFiniteError, ReplayMismatchError) as e:
             last = out / "trainer_state.pt" if out else None
-            where = (f"{last} (step {torch.load(last, weights_only=True)['step']})" if last and last.exists()
-                     else "no checkpoint was written yet")
-            say(f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
-                "Try a lower --lr, float32, or a smaller --max-grad-norm.")
+            where = (
+                f"{last} (step {torch.load(last, weights_only=True)['step']})"
+                if last and last.exists()
+                else "no checkpoint was written yet"
+            )
+            say(
+                f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+                "Try a lower --lr, float32, or a smaller --max-grad-norm."
+            )
             raise
         history.append(m)
         if rank == 0:
             eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
-            say(f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+            say(
+                f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
                 f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-                f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}")
+                f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
+            )
             if out:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(m) + "\n")
             if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                save_trainer_state(out, model, opt, step + 1, {"args": dataclasses.asdict(cfg),
-                                                               "reference": ref.state_dict() if ref else None})
+                save_trainer_state(
+                    out,
+                    model,
+                    opt,
+                    step + 1,
+                    {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None},
+                )
     if dist["world"] > 1:
         torch.distributed.destroy_process_group()
     return {"model": model, "tokenizer": tok, "history": history}
 
 
-def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict,
-                out: Path | None) -> dict:
+def _train_step(
+    cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict, out: Path | None
+) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
     rank, world, grpo = dist["rank"], dist["world"], cfg.grpo()
     P, G = cfg.prompts_per_step, cfg.group_size
     t0 = time.time()
-    pick = torch.randint(len(problems), (P,), generator=torch.Generator().manual_seed(
-        sequence_seed(cfg.seed, -1 - step) % 2**62)).tolist()
+    pick = torch.randint(
+        len(problems), (P,), generator=torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
+    ).tolist()
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
-    ro = rollout(model, [encode_problem(tok, p)[0] for p in batch], mode=cfg.mode, numerics=cfg.numerics,
-                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                 eos_id=tok.eos_id, sequence_ids=gids, min_loops=cfg.min_loops)
+    ro = rollout(
+        model,
+        [encode_problem(tok, p)[0] for p in batch],
+        mode=cfg.mode,
+        numerics=cfg.numerics,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        eos_id=tok.eos_id,
+        sequence_ids=gids,
+        min_loops=cfg.min_loops,
+    )
     texts = [tok.decode(c) for c in ro.completions]
     rewards = torch.tensor([reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)])
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
@@ -2023,8 +2281,12 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     if dist["all_reduce"] is not None:  # report global figures
         for key in ("reward", "accuracy", "exit/mean_loops"):
             m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=model.device))) / world
-    m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3),
-             tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1))
+    m.update(
+        step=step + 1,
+        seconds=round(dt, 3),
+        rollout_seconds=round(t1 - t0, 3),
+        tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1),
+    )
     return m
 
 
@@ -2044,15 +2306,20 @@ def _load_policy(cfg: TrainConfig):
 
 def _load_problems(cfg: TrainConfig, tok, model_cfg: Config) -> list[dict]:
     """The training problems, each checked to fit the position limit with its completion."""
-    problems = (gsm8k_load(cfg.data, subset=cfg.subset, seed=cfg.seed) if cfg.data
-                else arithmetic_problems(cfg.subset or 2000, seed=cfg.seed))
+    problems = (
+        gsm8k_load(cfg.data, subset=cfg.subset, seed=cfg.seed)
+        if cfg.data
+        else arithmetic_problems(cfg.subset or 2000, seed=cfg.seed)
+    )
     limit = model_cfg.max_position_embeddings
     for p in problems:
         n = len(encode_problem(tok, p)[0]) + cfg.max_new_tokens
         if n > limit:
             where = f"{cfg.data}:{p['index'] + 1}" if cfg.data else f"built-in problem {p['index']}"
-            raise ValueError(f"{where}: prompt of {n - cfg.max_new_tokens} tokens + {cfg.max_new_tokens} new "
-                             f"exceeds the position limit max_position_embeddings={limit}")
+            raise ValueError(
+                f"{where}: prompt of {n - cfg.max_new_tokens} tokens + {cfg.max_new_tokens} new "
+                f"exceeds the position limit max_position_embeddings={limit}"
+            )
     return problems
 
 
@@ -2061,8 +2328,13 @@ def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, s
     each written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes
     can never pair weights of one step with an optimizer of another."""
     model.save_pretrained(out)
-    state = {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "torch_rng": torch.get_rng_state(), "extra": extra}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "extra": extra,
+    }
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
@@ -2137,6 +2409,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     if world == 1:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
     import torch.distributed as tdist
+
     backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
     tdist.init_process_group(backend)
 
@@ -2144,8 +2417,13 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
         t = t.clone()
         tdist.all_reduce(t)
         return t
-    return {"rank": tdist.get_rank(), "world": world, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-            "all_reduce": all_reduce}
+
+    return {
+        "rank": tdist.get_rank(),
+        "world": world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "all_reduce": all_reduce,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2158,9 +2436,16 @@ RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
 def rollout_records(ro: Rollout) -> list[dict]:
     """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
     after that position's exit loop exit_loops[k] (1-based)."""
-    return [{"prompt_ids": p, "completion_ids": c, "exit_loops": e,
-             "logprobs": [float(x) for x in ro.logprobs[b, :len(c)]], "temperature": ro.temperature}
-            for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))]
+    return [
+        {
+            "prompt_ids": p,
+            "completion_ids": c,
+            "exit_loops": e,
+            "logprobs": [float(x) for x in ro.logprobs[b, : len(c)]],
+            "temperature": ro.temperature,
+        }
+        for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
+    ]
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -2182,8 +2467,10 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
         if not d["prompt_ids"]:
             raise ValueError(f"{where}: 'prompt_ids' is empty")
         if len(d["exit_loops"]) != n or len(d["logprobs"]) != n:
-            raise ValueError(f"{where}: lengths disagree: {n} completion_ids, {len(d['exit_loops'])} exit_loops, "
-                             f"{len(d['logprobs'])} logprobs")
+            raise ValueError(
+                f"{where}: lengths disagree: {n} completion_ids, {len(d['exit_loops'])} exit_loops, "
+                f"{len(d['logprobs'])} logprobs"
+            )
         for key in ("prompt_ids", "completion_ids"):
             bad = [x for x in d[key] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
             if bad:
@@ -2197,8 +2484,10 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(f"{where}: 'temperature' must be a finite number >= 0")
         if len(d["prompt_ids"]) + n > cfg.max_position_embeddings:
-            raise ValueError(f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
+            raise ValueError(
+                f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
+            )
         records.append(dict(d, temperature=float(t), line=lineno))
     if not records:
         raise ValueError(f"{path}: no records")
@@ -2213,24 +2502,32 @@ def _check_reference_finite(model: LoopedLM, ro: Rollout, lp: torch.Tensor, gate
     for k in range(lp.numel()):
         g = torch.stack(gates[(0, plen - 1 + k)])  # (loops run,)
         if not bool(torch.isfinite(g).all()):
-            raise NonFiniteError(f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits "
-                                 "are not finite")
+            raise NonFiniteError(
+                f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits are not finite"
+            )
     bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
     if not bad:
         return
     k = bad[0]
     if ro.temperature not in (0.0, 1.0):
         with torch.no_grad():
-            at_one = execute_schedule(model, dataclasses.replace(ro, temperature=1.0),
-                                      teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
+            at_one = execute_schedule(
+                model,
+                dataclasses.replace(ro, temperature=1.0),
+                teacher_forced_schedule(ro, model.config.total_ut_steps),
+                "fast",
+            )[0]
         if bool(torch.isfinite(at_one).all()):
-            raise ValueError(f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
-                             f"(reference log-prob {float(lp[k])}; finite at temperature 1)")
+            raise ValueError(
+                f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
+                f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
+            )
     raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
 
 
-def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None,
-                  min_loops: int = 1) -> dict:
+def verify_record(
+    model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None, min_loops: int = 1
+) -> dict:
     """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
     recorded exit loop, and the exit rule at every producing position.
 
@@ -2242,11 +2539,21 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
     tau = model.config.early_exit_threshold if threshold is None else threshold
     n = len(rec["completion_ids"])
     if n == 0:  # nothing was generated: nothing to recompute (and no call to run)
-        return {"logprobs": torch.zeros(0, dtype=torch.float64), "diff": torch.zeros(0, dtype=torch.float64),
-                "violations": []}
-    ro = Rollout(prompts=[rec["prompt_ids"]], completions=[rec["completion_ids"]], exit_loops=[rec["exit_loops"]],
-                 logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
-                 mask=torch.ones(1, n, dtype=torch.bool), schedule=None, temperature=rec["temperature"], kv=kv)
+        return {
+            "logprobs": torch.zeros(0, dtype=torch.float64),
+            "diff": torch.zeros(0, dtype=torch.float64),
+            "violations": [],
+        }
+    ro = Rollout(
+        prompts=[rec["prompt_ids"]],
+        completions=[rec["completion_ids"]],
+        exit_loops=[rec["exit_loops"]],
+        logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
+        mask=torch.ones(1, n, dtype=torch.bool),
+        schedule=None,
+        temperature=rec["temperature"],
+        kv=kv,
+    )
     producing = {(0, len(rec["prompt_ids"]) - 1 + k) for k in range(n)}  # the positions that sampled a token
     gates: dict = {}  # {(0, position): [gate logit of each loop run]}
 
@@ -2254,6 +2561,7 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
         idx = [i for i, rc in enumerate(call.rows) if rc in producing]
         for i, gl in zip(idx, model.gate_logits(h[idx]) if idx else []):
             gates.setdefault(call.rows[i], []).append(gl)
+
     with torch.no_grad():
         lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates)[0].cpu().double()
     _check_reference_finite(model, ro, lp, gates)
@@ -2265,8 +2573,14 @@ def verify_record(model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: f
         if rule != e:
             margins = exit_margin(torch.cat([g, g.new_zeros(R - g.numel())]), R, tau)  # (R,)
             part = min(e, rule if rule is not None else R)  # the first loop where the decisions differ
-            violations.append({"token": k, "recorded": e, "rule": rule if rule is not None else f">{g.numel()}",
-                               "margin": float(margins[part - 1])})
+            violations.append(
+                {
+                    "token": k,
+                    "recorded": e,
+                    "rule": rule if rule is not None else f">{g.numel()}",
+                    "margin": float(margins[part - 1]),
+                }
+            )
     return {"logprobs": lp, "diff": diff, "violations": violations}
 
 
@@ -2280,10 +2594,18 @@ def cmd_verify(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = {"sequences": len(records), "tokens": 0, "max_abs_diff": 0.0, "mismatched_tokens": 0,
-               "exit_rule_violations": 0, "first_mismatch": None}
-    print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-          f"({args.dtype}, kv={args.kv}, atol={args.atol})")
+    summary = {
+        "sequences": len(records),
+        "tokens": 0,
+        "max_abs_diff": 0.0,
+        "mismatched_tokens": 0,
+        "exit_rule_violations": 0,
+        "first_mismatch": None,
+    }
+    print(
+        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
+        f"({args.dtype}, kv={args.kv}, atol={args.atol})"
+    )
     for i, rec in enumerate(records):
         try:
             res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
@@ -2297,18 +2619,26 @@ def cmd_verify(args) -> int:
         summary["exit_rule_violations"] += len(res["violations"])
         if bad and summary["first_mismatch"] is None:
             k = bad[0]
-            summary["first_mismatch"] = {"sequence": i, "token": k, "expected": float(res["logprobs"][k]),
-                                         "got": float(rec["logprobs"][k])}
+            summary["first_mismatch"] = {
+                "sequence": i,
+                "token": k,
+                "expected": float(res["logprobs"][k]),
+                "got": float(rec["logprobs"][k]),
+            }
         status = "ok" if not bad and not res["violations"] else "MISMATCH"
-        print(f"  seq {i} (line {rec['line']}): {len(rec['completion_ids'])} tokens, max |diff| "
-              f"{float(res['diff'].max()) if len(res['diff']) else 0.0:.3e}, {len(bad)} over atol, "
-              f"{len(res['violations'])} exit-rule violations  {status}")
+        print(
+            f"  seq {i} (line {rec['line']}): {len(rec['completion_ids'])} tokens, max |diff| "
+            f"{float(res['diff'].max()) if len(res['diff']) else 0.0:.3e}, {len(bad)} over atol, "
+            f"{len(res['violations'])} exit-rule violations  {status}"
+        )
         for k in bad[:3]:
             print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res['logprobs'][k]):.6f}")
         for v in res["violations"][:3]:
             kind = "near-threshold flip" if abs(v["margin"]) < args.flip_margin else "wrong depth"
-            print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} "
-                  f"(CDF - threshold = {v['margin']:+.2e}: {kind})")
+            print(
+                f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} "
+                f"(CDF - threshold = {v['margin']:+.2e}: {kind})"
+            )
     print(json.dumps(summary))
     return 0 if summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0 else 1
 
@@ -2333,8 +2663,10 @@ def cmd_rollout(args) -> int:
         if isinstance(d.get("prompt_ids"), list):
             bad = [x for x in d["prompt_ids"] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
             if bad or not d["prompt_ids"]:
-                raise ValueError(f"{args.prompts}:{lineno}: 'prompt_ids' must be a non-empty list of ids in "
-                                 f"0..{V - 1}" + (f" (found {bad[0]!r})" if bad else ""))
+                raise ValueError(
+                    f"{args.prompts}:{lineno}: 'prompt_ids' must be a non-empty list of ids in "
+                    f"0..{V - 1}" + (f" (found {bad[0]!r})" if bad else "")
+                )
             prompts.append(d["prompt_ids"])
         elif isinstance(d.get("prompt"), str):
             if tok is None:
@@ -2345,19 +2677,39 @@ def cmd_rollout(args) -> int:
             raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
     if not prompts:
         raise ValueError(f"{args.prompts}: no prompts")
-    ro = rollout(model, prompts, mode=args.mode, numerics=args.numerics, max_new_tokens=args.max_new_tokens,
-                 temperature=args.temperature, exit_threshold=args.exit_threshold, min_loops=args.min_loops,
-                 seed=args.seed, eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
-                 kv=args.kv)
+    ro = rollout(
+        model,
+        prompts,
+        mode=args.mode,
+        numerics=args.numerics,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        exit_threshold=args.exit_threshold,
+        min_loops=args.min_loops,
+        seed=args.seed,
+        eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
+        kv=args.kv,
+    )
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:  # never write a record no verifier could check
-        raise ValueError(f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
-                         "small, or the model's logits overflow); nothing written")
+        raise ValueError(
+            f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
+            "small, or the model's logits overflow); nothing written"
+        )
     write_jsonl(args.out, rollout_records(ro))
     n = int(ro.mask.sum())
-    print(json.dumps({"sequences": len(prompts), "tokens": n, "out": args.out,
-                      "mean_exit_loop": sum(map(sum, ro.exit_loops)) / max(1, n),
-                      "row_loops": ro.schedule.row_loops(), "calls": len(ro.schedule.calls)}))
+    print(
+        json.dumps(
+            {
+                "sequences": len(prompts),
+                "tokens": n,
+                "out": args.out,
+                "mean_exit_loop": sum(map(sum, ro.exit_loops)) / max(1, n),
+                "row_loops": ro.schedule.row_loops(),
+                "calls": len(ro.schedule.calls),
+            }
+        )
+    )
     return 0
 
 
@@ -2376,13 +2728,14 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
         out = model.loop_outputs(torch.tensor([ids], device=model.device))
         e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+        return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -2396,8 +2749,9 @@ def cmd_bench(args) -> int:
     with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes most tokens exit early
         base.model.early_exit_gate.bias.fill_(args.gate_bias)
     gen = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
-               for n in torch.randint(8, 17, (8,), generator=gen)]
+    prompts = [
+        torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(8, 17, (8,), generator=gen)
+    ]
     cache_prompt = torch.randint(0, 256, (args.cache_prompt,), generator=gen).tolist()
     R, N = cfg.total_ut_steps, args.new_tokens
 
@@ -2420,8 +2774,10 @@ def cmd_bench(args) -> int:
         suffix = "" if dtype_name == "bfloat16" else "_fp32"
         for B in (1, 8):
             batch = prompts[:B]
-            run = {m: (lambda m=m: rollout(model, batch, mode=m, max_new_tokens=N, seed=args.seed))
-                   for m in ("dense", "deferred")}
+            run = {
+                m: (lambda m=m: rollout(model, batch, mode=m, max_new_tokens=N, seed=args.seed))
+                for m in ("dense", "deferred")
+            }
             run["deferred"]()  # warm-up
             times = {"dense": [], "deferred": []}
             for _ in range(args.repeats):  # alternate, so drift hits both alike
@@ -2439,10 +2795,16 @@ def cmd_bench(args) -> int:
             mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
             summary[f"speedup_b{B}{suffix}"] = round(speedup, 3)
             summary[f"ideal_b{B}{suffix}"] = round(ideal, 3)
-            rows.append((dtype_name, f"rollout b={B}", f"dense {tokens / med['dense']:.1f} tok/s, deferred "
-                         f"{tokens / med['deferred']:.1f} tok/s: x{speedup:.2f} (ideal x{ideal:.2f}, "
-                         f"{100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops "
-                         f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}"))
+            rows.append(
+                (
+                    dtype_name,
+                    f"rollout b={B}",
+                    f"dense {tokens / med['dense']:.1f} tok/s, deferred "
+                    f"{tokens / med['deferred']:.1f} tok/s: x{speedup:.2f} (ideal x{ideal:.2f}, "
+                    f"{100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops "
+                    f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}",
+                )
+            )
         # Replay against rollout (deferred, batch 8).
         batch = prompts
         rt, rp = [], []
@@ -2453,8 +2815,13 @@ def cmd_bench(args) -> int:
             rp.append(dt)
         ratio = statistics.median(rp) / statistics.median(rt)
         summary[f"replay_over_rollout{suffix}"] = round(ratio, 3)
-        rows.append((dtype_name, "replay / rollout", f"{ratio:.3f} (replay equals the rollout bitwise: "
-                     f"{torch.equal(replay, ro.logprobs)})"))
+        rows.append(
+            (
+                dtype_name,
+                "replay / rollout",
+                f"{ratio:.3f} (replay equals the rollout bitwise: {torch.equal(replay, ro.logprobs)})",
+            )
+        )
         # The learner: teacher-forced forward + backward, and a whole GRPO step split in three.
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         tokens = int(ro.mask.sum())
@@ -2463,13 +2830,26 @@ def cmd_bench(args) -> int:
             model.zero_grad()
             dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
             fb.append(dt)
-        t_learn, _ = timed(lambda: grpo_update(model, opt, ro, torch.arange(len(batch), dtype=torch.float32) % 2,
-                                               GRPOConfig(group_size=2, check_replay=True)))
+        t_learn, _ = timed(
+            lambda: grpo_update(
+                model,
+                opt,
+                ro,
+                torch.arange(len(batch), dtype=torch.float32) % 2,
+                GRPOConfig(group_size=2, check_replay=True),
+            )
+        )
         t_opt, _ = timed(opt.step)  # the optimizer alone, on the gradients the update left
         model.load_state_dict(base.state_dict())  # undo the updates: later figures use the rollout's weights
-        rows.append((dtype_name, "learner", f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} "
-                     f"ms/token; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
-                     f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"))
+        rows.append(
+            (
+                dtype_name,
+                "learner",
+                f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} "
+                f"ms/token; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
+                f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s",
+            )
+        )
         # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
         with torch.no_grad():
             naive = teacher_forced_logprobs(model, ro)
@@ -2479,21 +2859,36 @@ def cmd_bench(args) -> int:
         clipped = ((torch.exp(naive - ro.logprobs.to(device)) - 1).abs() > 0.2)[m].float().mean()
         dh = (hyb - ro.logprobs.to(device)).abs()[m]
         summary[f"naive_max_abs_diff{suffix}"] = float(d.max())
-        rows.append((dtype_name, "naive learner vs sampler", f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
-                     f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"))
+        rows.append(
+            (
+                dtype_name,
+                "naive learner vs sampler",
+                f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
+                f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}",
+            )
+        )
         # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
         # GSM8K-sized prompt and for the short bench prompt.
         n_cache = args.cache_tokens
         for name, prompt in (("", cache_prompt), ("_short", prompts[0])):
             t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, cfg.early_exit_threshold))
-            t_cached, ro_c = timed(lambda: rollout(model, [prompt], mode="dense", max_new_tokens=n_cache,
-                                                   temperature=0.0))
+            t_cached, ro_c = timed(
+                lambda: rollout(model, [prompt], mode="dense", max_new_tokens=n_cache, temperature=0.0)
+            )
             summary[f"cache_speedup{name}{suffix}"] = round(t_rec / t_cached, 2)
-            rows.append((dtype_name, f"KV cache, {len(prompt)}+{n_cache}", f"recompute {t_rec:.2f}s, cached dense "
-                         f"{t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}"))
+            rows.append(
+                (
+                    dtype_name,
+                    f"KV cache, {len(prompt)}+{n_cache}",
+                    f"recompute {t_rec:.2f}s, cached dense "
+                    f"{t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}",
+                )
+            )
     summary["peak_memory_mb"] = round(_peak_memory_mb(device), 1)
-    print(f"bench: {args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), {device}, "
-          f"{torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, gate bias {args.gate_bias}")
+    print(
+        f"bench: {args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), {device}, "
+        f"{torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, gate bias {args.gate_bias}"
+    )
     for dt_name, what, text in rows:
         print(f"  {dt_name:<9} {what:<26} {text}")
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
@@ -2508,9 +2903,13 @@ def cmd_bench(args) -> int:
 
 def _train_parser(sub) -> None:
     """The `train` flags: one per TrainConfig field, with its default and help."""
-    p = sub.add_parser("train", formatter_class=HELP, help="GRPO with exact log-probs (torchrun for several processes)",
-                       description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
-                                   "or the built-in arithmetic task. Run under torchrun for data parallel.")
+    p = sub.add_parser(
+        "train",
+        formatter_class=HELP,
+        help="GRPO with exact log-probs (torchrun for several processes)",
+        description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
+        "or the built-in arithmetic task. Run under torchrun for data parallel.",
+    )
     src = p.add_mutually_exclusive_group()
     for f in dataclasses.fields(TrainConfig):
         kw = dict(f.metadata, default=f.default)
@@ -2535,31 +2934,50 @@ def cmd_train(args) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     h = result["history"]
-    print(json.dumps({"steps": len(h), "reward_last": h[-1]["reward"] if h else None,
-                      "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
-                      "out": cfg.out}))
+    print(
+        json.dumps(
+            {
+                "steps": len(h),
+                "reward_last": h[-1]["reward"] if h else None,
+                "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
+                "out": cfg.out,
+            }
+        )
+    )
     return 0
 
 
 def cmd_demo(args) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     check_demo_flags(args)
-    cfg = TrainConfig(config=args.config, steps=args.steps, sft_steps=args.sft_steps, subset=args.problems,
-                      prompts_per_step=args.prompts_per_step, group_size=args.group_size, lr=args.lr, mu=args.mu,
-                      seed=args.seed, max_new_tokens=args.max_new_tokens, mode="deferred", device="cpu",
-                      out=args.out, save_every=10**9)  # one checkpoint, at the end
+    cfg = TrainConfig(
+        config=args.config,
+        steps=args.steps,
+        sft_steps=args.sft_steps,
+        subset=args.problems,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        lr=args.lr,
+        mu=args.mu,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        mode="deferred",
+        device="cpu",
+        out=args.out,
+        save_every=10**9,
+    )  # one checkpoint, at the end
     cfg.validate()
     t0 = time.time()
     pool = arithmetic_problems(args.problems, seed=args.seed)
     seen = {p["question"] for p in pool}
-    held_out = [p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1)
-                if p["question"] not in seen][:args.eval_problems]
+    held_out = [
+        p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1) if p["question"] not in seen
+    ][: args.eval_problems]
     before: dict = {}
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens))
-        print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} "
-              f"({len(held_out)} problems)")
+        print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ({len(held_out)} problems)")
 
     try:
         result = train(cfg, on_start=on_start)
@@ -2573,17 +2991,24 @@ def cmd_demo(args) -> int:
     for r, c in enumerate(after["exit_histogram"], 1):
         print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
     if args.out:
-        _plot_history(history, Path(args.out) / "demo.png", model.config.total_ut_steps,
-                      before["accuracy"], after["accuracy"])
-    summary = {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-               "gain": round(after["accuracy"] - before["accuracy"], 4),
-               "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
-               "max_sampling_logp_difference": max((m.get("sampling/sampling_logp_difference/max", 0.0)
-                                                    for m in history), default=0.0),
-               "max_naive_logp_difference": max((m.get("sampling/naive_logp_difference/max", 0.0)
-                                                 for m in history), default=0.0),
-               "exit_histogram": after["exit_histogram"], "grpo_steps": len(history),
-               "seconds": round(time.time() - t0, 1)}
+        _plot_history(
+            history, Path(args.out) / "demo.png", model.config.total_ut_steps, before["accuracy"], after["accuracy"]
+        )
+    summary = {
+        "accuracy_before": before["accuracy"],
+        "accuracy_after": after["accuracy"],
+        "gain": round(after["accuracy"] - before["accuracy"], 4),
+        "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
+        "max_sampling_logp_difference": max(
+            (m.get("sampling/sampling_logp_difference/max", 0.0) for m in history), default=0.0
+        ),
+        "max_naive_logp_difference": max(
+            (m.get("sampling/naive_logp_difference/max", 0.0) for m in history), default=0.0
+        ),
+        "exit_histogram": after["exit_histogram"],
+        "grpo_steps": len(history),
+        "seconds": round(time.time() - t0, 1),
+    }
     print(json.dumps(summary))
     return 0
 
@@ -2591,6 +3016,7 @@ def cmd_demo(args) -> int:
 def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -2599,7 +3025,7 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [m["step"] for m in history]
     reward = [m["reward"] for m in history]
-    smooth = [sum(reward[max(0, i - 9):i + 1]) / len(reward[max(0, i - 9):i + 1]) for i in range(len(reward))]
+    smooth = [sum(reward[max(0, i - 9) : i + 1]) / len(reward[max(0, i - 9) : i + 1]) for i in range(len(reward))]
     ax.plot(steps, reward, label="reward = sampled accuracy (T=1)", alpha=0.35)
     ax.plot(steps, smooth, label="reward, mean of last 10 steps")
     ax.plot(steps, [m["exit/mean_loops"] / R for m in history], label=f"mean exit loop / {R}", alpha=0.6)
@@ -2628,11 +3054,14 @@ def _model_flags(p, dtype_default: str) -> None:
 def build_parser():
     parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", formatter_class=HELP, help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
-                       description="From nothing: warm start on the built-in arithmetic task, held-out greedy "
-                                   "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.")
-    d.add_argument("--config", default=str(CONFIGS / "demo.json"),
-                   help="model config")
+    d = sub.add_parser(
+        "demo",
+        formatter_class=HELP,
+        help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
+        description="From nothing: warm start on the built-in arithmetic task, held-out greedy "
+        "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.",
+    )
+    d.add_argument("--config", default=str(CONFIGS / "demo.json"), help="model config")
     d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
     d.add_argument("--steps", type=int, default=60, help="GRPO steps")
     d.add_argument("--prompts-per-step", type=int, default=16, help="prompts per GRPO step")
@@ -2645,9 +3074,13 @@ def build_parser():
     d.add_argument("--seed", type=int, default=0, help="seed of everything")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
-    r = sub.add_parser("rollout", formatter_class=HELP, help="sample completions and write rollout records (JSONL)",
-                       description="Sample completions and write one record per sequence: prompt_ids, "
-                                   "completion_ids, exit_loops (1-based), logprobs, temperature.")
+    r = sub.add_parser(
+        "rollout",
+        formatter_class=HELP,
+        help="sample completions and write rollout records (JSONL)",
+        description="Sample completions and write one record per sequence: prompt_ids, "
+        "completion_ids, exit_loops (1-based), logprobs, temperature.",
+    )
     _model_flags(r, "float32")
     r.add_argument("--prompts", required=True, help='JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line')
     r.add_argument("--out", required=True, help="records JSONL to write")
@@ -2657,25 +3090,42 @@ def build_parser():
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (sequence i draws from seed and i)")
-    v = sub.add_parser("verify", formatter_class=HELP, help="check another implementation's rollout records against this reference",
-                       description="Recompute every recorded token's log-prob at its recorded exit loop "
-                                   "(teacher-forced) and check every exit loop against the exit rule. Exit "
-                                   "status 0: all within tolerance; 1: mismatches; 2: bad input.")
+    v = sub.add_parser(
+        "verify",
+        formatter_class=HELP,
+        help="check another implementation's rollout records against this reference",
+        description="Recompute every recorded token's log-prob at its recorded exit loop "
+        "(teacher-forced) and check every exit loop against the exit rule. Exit "
+        "status 0: all within tolerance; 1: mismatches; 2: bad input.",
+    )
     _model_flags(v, "float64")
     v.add_argument("--rollouts", required=True, help="records JSONL (see README: Checking your engine)")
     v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
-    v.add_argument("--flip-margin", type=float, default=1e-3,
-                   help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip")
-    bp = sub.add_parser("bench", formatter_class=HELP, help="dense vs deferred throughput, replay, learner and cache costs",
-                        description="Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
-                                    "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
-                                    "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.")
+    v.add_argument(
+        "--flip-margin",
+        type=float,
+        default=1e-3,
+        help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip",
+    )
+    bp = sub.add_parser(
+        "bench",
+        formatter_class=HELP,
+        help="dense vs deferred throughput, replay, learner and cache costs",
+        description="Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
+        "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
+        "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.",
+    )
     bp.add_argument("--config", default=str(CONFIGS / "bench.json"), help="model config")
     bp.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
     bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
-    bp.add_argument("--cache-prompt", type=int, default=128, help="prompt tokens for the cache comparison "
-                    "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too")
+    bp.add_argument(
+        "--cache-prompt",
+        type=int,
+        default=128,
+        help="prompt tokens for the cache comparison "
+        "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too",
+    )
     bp.add_argument("--repeats", type=int, default=3, help="alternating repeats (medians are reported)")
     bp.add_argument("--gate-bias", type=float, default=1.0, help="exit-gate bias set on the random model")
     bp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
@@ -2687,8 +3137,9 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they happen, even through a pipe
     try:
-        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify,
-                "bench": cmd_bench}[args.command](args)
+        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify, "bench": cmd_bench}[
+            args.command
+        ](args)
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
