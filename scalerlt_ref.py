@@ -1886,8 +1886,9 @@ def evaluate(
     batch_size: int = 100,
     min_loops: int = 1,
 ) -> dict:
-    """Greedy held-out accuracy (strict scorer) and the histogram of exit loops over generated tokens."""
-    correct, hist = 0.0, [0] * model.config.total_ut_steps
+    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, and the
+    histogram of exit loops over generated tokens."""
+    correct, hist = [], [0] * model.config.total_ut_steps
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
         ro = rollout(
@@ -1900,10 +1901,24 @@ def evaluate(
             min_loops=min_loops,
         )
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
-            correct += gsm8k_score(tok.decode(c), p["answer"])
+            correct.append(gsm8k_score(tok.decode(c), p["answer"]))
             for x in e:
                 hist[x - 1] += 1
-    return {"accuracy": correct / max(1, len(problems)), "exit_histogram": hist}
+    acc = sum(correct) / max(1, len(problems))
+    return {
+        "accuracy": acc,
+        "stderr": math.sqrt(acc * (1 - acc) / max(1, len(problems))),
+        "correct": correct,
+        "exit_histogram": hist,
+    }
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """The mean gain on the same problems and its standard error (from the per-problem differences)."""
+    d = [a - b for a, b in zip(after, before)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
+    return mean, math.sqrt(var / len(d))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2977,7 +2992,10 @@ def cmd_demo(args) -> int:
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens))
-        print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ({len(held_out)} problems)")
+        print(
+            f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
+            f"({len(held_out)} problems)"
+        )
 
     try:
         result = train(cfg, on_start=on_start)
@@ -2985,7 +3003,11 @@ def cmd_demo(args) -> int:
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens)
-    print(f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f}")
+    gain, gain_se = paired_gain(before["correct"], after["correct"])
+    print(
+        f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
+        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired)"
+    )
     total = sum(after["exit_histogram"])
     print("exit loops of generated tokens (held-out, after GRPO):")
     for r, c in enumerate(after["exit_histogram"], 1):
@@ -2997,7 +3019,10 @@ def cmd_demo(args) -> int:
     summary = {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
-        "gain": round(after["accuracy"] - before["accuracy"], 4),
+        "gain": round(gain, 4),
+        "accuracy_before_se": round(before["stderr"], 4),
+        "accuracy_after_se": round(after["stderr"], 4),
+        "gain_se": round(gain_se, 4),
         "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
         "max_sampling_logp_difference": max(
             (m.get("sampling/sampling_logp_difference/max", 0.0) for m in history), default=0.0
