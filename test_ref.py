@@ -1019,3 +1019,176 @@ def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and f"{path}:2:" in err and "1.7" in err, err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The learner, proven (issue 10)
+# ---------------------------------------------------------------------------------------------------
+
+
+class RecordingOptimizer(torch.optim.Optimizer):
+    """Stands in for grpo_update's optimizer: each step() records the parameters and the gradient it is
+    asked to apply (by name), then hands over to `inner` (None: the parameters never change)."""
+
+    def __init__(self, model: S.LoopedLM, inner: torch.optim.Optimizer | None = None):
+        super().__init__(list(model.parameters()), {})
+        self.names = [n for n, _ in model.named_parameters()]
+        self.inner = inner
+        self.records: list[tuple[dict, dict]] = []  # (parameters, gradients) at each step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        ps = self.param_groups[0]["params"]
+        self.records.append(({n: p.detach().clone() for n, p in zip(self.names, ps)},
+                             {n: p.grad.clone() for n, p in zip(self.names, ps) if p.grad is not None}))
+        if self.inner is not None:
+            self.inner.step()
+
+
+@st.composite
+def grpo_cases(draw) -> tuple[Case, int, torch.Tensor]:
+    """Two prompts x G = 2-3 completions each (groups contiguous), rewards with spread in group 1 (its
+    advantages are not all 0; group 2 may have none), on models whose float64 gradients are well
+    conditioned (TOLERANCE_INIT)."""
+    cfg = draw(configs(TOLERANCE_INIT))
+    G = draw(between(2, 3))
+    token = st.integers(0, cfg.vocab_size - 1)
+    prompts = [[draw(token) for _ in range(draw(between(1, 4)))] for _ in range(2)]
+    case = Case(cfg=cfg, model_seed=draw(st.integers(0, 2**16)), prompts=[p for p in prompts for _ in range(G)],
+                threshold=draw(st.floats(0.3, 0.95)), min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
+                seed=draw(st.integers(0, 2**16)), max_new_tokens=draw(between(2, 5)))
+    rewards = [1.0, 0.0] + [draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])) for _ in range(2 * G - 2)]
+    return case, G, torch.tensor(rewards)
+
+
+def _grpo_rollout(case: Case, model: S.LoopedLM, mode: str) -> S.Rollout:
+    """A rollout whose sequences end at different lengths (the aggregations' normalisers differ): EOS is
+    sequence 0's first token, so sequence 0 stops there and others where they draw it. Sequences 0 and 1
+    (rewards 1 and 0) differ, or their gradients would cancel and the batch might teach nothing."""
+    first = case.rollout(model, mode=mode)
+    ro = case.rollout(model, mode=mode, eos_id=first.completions[0][0])
+    assume(ro.completions[0] != ro.completions[1])
+    return ro
+
+
+def _advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
+    """SPEC §6 written out: A = (r - mean of its group) / (unbiased std of its group + eps), float64."""
+    out = []
+    for start in range(0, len(rewards), G):
+        r = [float(x) for x in rewards[start:start + G]]
+        mean = sum(r) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+        out += [(x - mean) / (std + eps) for x in r]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _sequence_weights(agg: str, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's token weight in the loss: 1/(all tokens) for token_mean, 1/(B * its length) for
+    seq_mean_token_mean, 1/(B * max_new_tokens) for dr_grpo."""
+    lens = mask.sum(1).double()
+    B, N = mask.shape
+    return {"token_mean": torch.full((B,), 1 / float(lens.sum()), dtype=torch.float64),
+            "seq_mean_token_mean": 1 / (B * lens),
+            "dr_grpo": torch.full((B,), 1 / (B * N), dtype=torch.float64)}[agg]
+
+
+def _sequence_grads(model: S.LoopedLM, ro: S.Rollout) -> list[dict]:
+    """Per sequence b, by parameter name: the gradient of sum_t log pi(token_bt), teacher-forced, by autograd."""
+    tf = S.teacher_forced_logprobs(model, ro)  # (B, N)
+    params = dict(model.named_parameters())
+    out = []
+    for b in range(tf.shape[0]):
+        gs = torch.autograd.grad((tf[b] * ro.mask[b]).sum(), list(params.values()), retain_graph=True,
+                                 allow_unused=True)
+        out.append({n: g for n, g in zip(params, gs) if g is not None})
+    return out
+
+
+@examples(15)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
+def test_first_iteration_applies_the_policy_gradient(gc, mode, agg):
+    """The gradient grpo_update hands its optimizer on iteration 1 is -sum_b w_b A_b grad log pi(seq b), with
+    A and w written out here (float64): a flipped sign, a 2x scale, unnormalised advantages or the
+    wrong normaliser all fail it. And the iteration-1 ratios are exactly 1: the value is the recorded one."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    opt = RecordingOptimizer(model)
+    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
+    assert len(opt.records) == 1
+    applied = opt.records[0][1]
+    A, w, seq = _advantages(rewards, G), _sequence_weights(agg, ro.mask), _sequence_grads(model, ro)
+    assert applied.keys() == seq[0].keys(), f"{sorted(applied)} vs {sorted(seq[0])}"
+    sensitive = False
+    for n in applied:
+        expect = -sum(w[b] * A[b] * seq[b][n] for b in range(len(seq)))
+        # rtol 1e-9 for float64 sums in another order; grpo_update's advantages are float32 (a few ulps
+        # of each A_b): 2^-20 of sum_b |w_b A_b grad_b| bounds that.
+        tol = 1e-12 + 1e-9 * expect.abs() + 2**-20 * sum((w[b] * A[b]).abs() * seq[b][n].abs() for b in range(len(seq)))
+        diff = (applied[n] - expect).abs()
+        assert bool((diff <= tol).all()), (f"{n}: max |applied - expected| = {diff.max():.3e} "
+                                           f"(max |expected| {expect.abs().max():.3e}, {agg}, {mode})")
+        sensitive |= bool((expect.abs() > tol).any())  # where a 2x error (and so a sign flip) would show
+    assert sensitive, "the expected gradient is within tolerance of 0 everywhere: the test would be vacuous"
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_ratio"] == 0.0, m
+
+
+def _clone_with(model: S.LoopedLM, params: dict) -> S.LoopedLM:
+    """A copy of `model` whose parameters are `params` (by name)."""
+    probe = S.LoopedLM(model.config).to(model.dtype)
+    with torch.no_grad():
+        for n, p in probe.named_parameters():
+            p.copy_(params[n])
+    return probe
+
+
+@examples(8)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), tight=st.sampled_from(["low", "high"]))
+def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, mode, agg, tight):
+    """Iteration 2 of mu = 2, after a real AdamW step, with one clip side binding (eps 1e-3; the other
+    side wide, so the tokens of the other sign still carry gradient): the gradient grpo_update applies
+    is autograd of grpo_loss(learner_logprobs) at the weights it had then (rtol 1e-9), and that is the
+    derivative of the loss's value (float64 central differences, h 1e-6, rtol 1e-5)."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    eps = {"epsilon_low": 1e-3, "epsilon_high": 10.0} if tight == "low" else {"epsilon_low": 0.99, "epsilon_high": 1e-3}
+    g = S.GRPOConfig(group_size=G, loss_agg=agg, mu=2, max_grad_norm=1e9, **eps)
+    opt = RecordingOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
+    S.grpo_update(model, opt, ro, rewards, g)
+    assert len(opt.records) == 2
+    theta, applied = opt.records[1]
+    probe = _clone_with(model, theta)
+    adv = S.group_advantages(rewards, G)
+
+    def loss(lp):
+        return S.grpo_loss(lp, ro.logprobs, adv, ro.mask, loss_agg=agg, **eps)
+
+    value, stats = loss(S.learner_logprobs(probe, ro))
+    assert stats["clip_ratio"] > 0, f"nothing clipped at iteration 2: {stats}"
+    params = dict(probe.named_parameters())
+    auto = dict(zip(params, torch.autograd.grad(value, list(params.values()), allow_unused=True)))
+    assert {n for n, v in auto.items() if v is not None} == applied.keys()
+    for n in applied:
+        d = maxdiff(applied[n], auto[n])
+        assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"{n}: max |applied - autograd| = {d:.3e}"
+
+    def f():  # the loss's value is the replay's
+        return float(loss(S.replay_logprobs(probe, ro))[0])
+
+    h, checked = 1e-6, 0
+    names = sorted(applied)
+    for n in names[::max(1, len(names) // 4)]:  # 4-5 tensors spread over the model
+        grad = applied[n].flatten()
+        for flat in {int(grad.abs().argmax()), grad.numel() // 2}:
+            p = params[n].data.view(-1)
+            old = p[flat].item()
+            p[flat] = old + h
+            up = f()
+            p[flat] = old - h
+            down = f()
+            p[flat] = old
+            fd, gv = (up - down) / (2 * h), grad[flat].item()
+            assert abs(fd - gv) <= 1e-5 * abs(gv) + 1e-8, f"{n}[{flat}]: finite difference {fd!r} vs applied {gv!r}"
+            checked += abs(gv) > 1e-6
+    assert checked, "every checked gradient entry is ~0: the comparison would be vacuous"
