@@ -711,20 +711,43 @@ def test_clipped_surrogate_hand_computed():
     assert stats["clip_ratio"] == 0.5
 
 
-@examples(8)
-@given(cfg=configs(), data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_first_grpo_iteration_ratios_exactly_one(cfg, data, dtype):
-    """On-policy means on-policy: the learner's first-iteration ratio is exactly 1.0 and nothing is clipped."""
-    model = S.LoopedLM(cfg, seed=data.draw(st.integers(0, 3))).to(dtype)
-    prompts = data.draw(st.lists(st.lists(st.integers(0, cfg.vocab_size - 1), min_size=1, max_size=4),
-                                 min_size=2, max_size=2))
-    ro = S.rollout(model, [p for p in prompts for _ in range(2)], mode="deferred", max_new_tokens=4, seed=1)
-    ratio = torch.exp(S.learner_logprobs(model, ro).detach() - ro.logprobs)
-    assert bool((ratio[ro.mask] == 1.0).all()), f"ratios {ratio[ro.mask].tolist()}"
+@examples(15)
+@given(case=cases(), mode=modes, dtype=dtypes)
+def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
+    """On-policy means on-policy: with the weights that sampled, the hybrid's value (learner_logprobs) is
+    the sampler's recorded log-probs bit for bit, float32 and bfloat16, dense and deferred; and
+    grpo_update's first iteration takes that value, not the teacher-forced one (which differs in the last
+    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode)
+    value = S.learner_logprobs(model, ro).detach()
+    assert torch.equal(value, ro.logprobs), f"max |diff| = {maxdiff(value, ro.logprobs):.3e}"
+    B = len(ro.prompts)
+    rewards = torch.arange(B, dtype=torch.float32) % 2  # one group: advantages not all 0 when B > 1
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = S.grpo_update(model, opt, ro, torch.tensor([1.0, 0.0, 0.0, 1.0]), S.GRPOConfig(group_size=2))
+    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=B, epsilon_low=1e-6, epsilon_high=1e-6))
     assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
-    assert m["exact/mismatched_tokens"] == 0 and m["sampling/sampling_logp_difference/max"] == 0.0
+
+
+@examples(10)
+@given(case=cases(), mode=modes, dtype=dtypes, data=st.data())
+def test_replay_mismatch_refuses_the_step(case, mode, dtype, data):
+    """One recorded log-prob off by one ulp (np.nextafter): grpo_update raises ReplayMismatchError before
+    any optimizer step; the parameters and the optimizer state are untouched."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode)
+    b, k = data.draw(st.sampled_from(ro.mask.nonzero().tolist()))
+    v = ro.logprobs[b, k].item()
+    ro.logprobs[b, k] = float(np.nextafter(np.float32(v), np.float32(-np.inf)))
+    assert ro.logprobs[b, k].item() != v
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    B = len(ro.prompts)
+    with pytest.raises(S.ReplayMismatchError):
+        S.grpo_update(model, opt, ro, torch.arange(B, dtype=torch.float32) % 2, S.GRPOConfig(group_size=B))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed: max |diff| = {maxdiff(p, before[n]):.3e}"
+    assert not opt.state, "the optimizer stepped"
 
 
 def test_teacher_forced_gradient_finite_differences():
@@ -1192,3 +1215,37 @@ def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, m
             assert abs(fd - gv) <= 1e-5 * abs(gv) + 1e-8, f"{n}[{flat}]: finite difference {fd!r} vs applied {gv!r}"
             checked += abs(gv) > 1e-6
     assert checked, "every checked gradient entry is ~0: the comparison would be vacuous"
+
+
+@examples(10)
+@given(gc=grpo_cases(), mode=modes)
+def test_one_small_step_moves_log_probs_with_the_advantage(gc, mode):
+    """One small SGD step through grpo_update (float64) changes each sequence's teacher-forced log-prob
+    log pi(seq b) by what the policy gradient written out here predicts to first order (2%, plus 1e-3 of
+    the largest first-order change it could make): so sum_b w_b A_b log pi(seq b) rises, and a sequence
+    whose own term outweighs its interference with the others (|w_b A_b| |g_b|^2 > sum_c |w_c A_c g_b.g_c|)
+    rises if its advantage is positive and falls if it is negative. A flipped sign or a 2x step fails."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    A, w, seq = _advantages(rewards, G), _sequence_weights(agg := "token_mean", ro.mask), _sequence_grads(model, ro)
+    B, names = len(seq), list(seq[0])
+    flat = torch.stack([torch.cat([seq[b][n].flatten() for n in names]) for b in range(B)])  # (B, params)
+    pg = -((w * A)[:, None] * flat).sum(0)  # the loss's gradient
+    lr = 1e-4 / float(pg.norm())  # a step of length 1e-4 in parameter space
+    before = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1)  # (B,)
+    S.grpo_update(model, torch.optim.SGD(model.parameters(), lr=lr), ro, rewards,
+                  S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
+    change = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1) - before  # (B,)
+    predicted = flat @ (-lr * pg)  # (B,) first order: grad_b . step
+    tol = 0.02 * predicted.abs() + 1e-3 * 1e-4 * flat.norm(dim=1)
+    diff = (change - predicted).abs()
+    assert bool((diff <= tol).all()), f"change {change.tolist()} vs predicted {predicted.tolist()} (tol {tol.tolist()})"
+    assert bool((predicted.abs() > tol).any()), "no predicted change exceeds the tolerance: the test would be vacuous"
+    assert float((w * A * change).sum()) > 0, f"the advantage-weighted log-likelihood fell: {change.tolist()}"
+    gram = flat @ flat.T  # (B, B) g_b . g_c
+    own = (w * A).abs() * gram.diagonal()
+    interference = ((w * A).abs()[None, :] * gram.abs()).sum(1) - own
+    for b in range(B):
+        if own[b] > interference[b] and A[b] != 0:
+            assert float(change[b]) * float(A[b]) > 0, f"sequence {b}: A {float(A[b]):+.3f}, change {float(change[b]):+.3e}"
