@@ -48,7 +48,15 @@ What the tests (test_ref.py) prove, each with its test:
 - deferral does the work it claims: `test_each_loop_of_each_position_computed_once_in_order`,
   `test_deferred_never_does_more_work_than_dense`, `test_deferred_step_makes_e_new_calls`;
 - GRPO's pieces are hand-checked: `test_group_advantages_hand_computed`,
-  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`.
+  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`;
+- the learner's first-iteration value is the sampler's bits: `test_learner_value_is_the_recorded_logprobs_bitwise`,
+  and a replay one ulp off refuses the step: `test_replay_mismatch_refuses_the_step`;
+- the gradient `grpo_update` applies is the policy gradient: `test_first_iteration_applies_the_policy_gradient`,
+  `test_later_iteration_gradient_with_clipping_matches_finite_differences`,
+  `test_one_small_step_moves_log_probs_with_the_advantage`;
+- a run killed and resumed continues bit for bit: `test_resumed_run_equals_uninterrupted`;
+- bad input is a one-line error, never a traceback: `test_fuzzed_bad_records_exit_2_naming_file_and_line`,
+  `test_fuzzed_bad_configs_exit_2_naming_file_and_key`, `test_bad_flag_refused_before_any_work`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
