@@ -65,7 +65,9 @@ What this reference simplifies (on purpose):
 
 Shape letters, one meaning each: B sequences, T positions, N new tokens (completion length), R loops,
 L layers, C width (hidden_size), H query heads, KVH key/value heads, D head size, I MLP width,
-V vocabulary, n rows of a call, k rows read out in a call. Loops are 1-based (1..R), positions 0-based.
+V vocabulary, n rows of a call, n_out rows read out in a call; in GRPO, G completions per prompt (the group)
+and P prompts per step. Lowercase names carry one meaning too: r a loop, p a position, b a sequence,
+k/v keys/values, g gate logits, e an exit loop, h a loop's output. Loops are 1-based (1..R), positions 0-based.
 
 Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
 """
@@ -368,12 +370,14 @@ class LoopedLM(nn.Module):
         self.model = OuroBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         gen = torch.Generator().manual_seed(seed)  # a dedicated generator: init never touches global RNG
-        for name, p in self.named_parameters():
+        for name, param in self.named_parameters():
             if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
                 continue  # norms start at 1
             with torch.no_grad():
-                p.copy_(
-                    torch.randn(p.shape, generator=gen) * cfg.initializer_range if p.dim() > 1 else torch.zeros(p.shape)
+                param.copy_(
+                    torch.randn(param.shape, generator=gen) * cfg.initializer_range
+                    if param.dim() > 1
+                    else torch.zeros(param.shape)
                 )
         self._rope: dict = {}
 
@@ -673,14 +677,14 @@ def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "f
 
 def read_out(model: LoopedLM, call: Call, h: torch.Tensor, temperature: float, numerics: str) -> torch.Tensor:
     """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the
-    policy. h (n, C), the call's output -> log-probs (k, V).
+    policy. h (n, C), the call's output -> log-probs (n_out, V).
 
     NOTE: the rollout (which samples from these rows) and the replay (which scores the recorded tokens
     with them) both call this, after the same `execute_call`: that is why their log-probs agree bit for bit.
     """
     index = {rc: i for i, rc in enumerate(call.rows)}
     rows = [index[rc] for rc in call.readout]
-    return policy_logprobs(model.readout(h[rows], numerics), temperature, numerics)  # (k, V)
+    return policy_logprobs(model.readout(h[rows], numerics), temperature, numerics)  # (n_out, V)
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -717,10 +721,10 @@ class Rollout:
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
-        T = max(len(p) + len(c) for p, c in zip(self.prompts, self.completions))
+        T = max(len(prompt) + len(c) for prompt, c in zip(self.prompts, self.completions))
         out = torch.zeros(len(self.prompts), T, dtype=torch.long)
-        for b, (p, c) in enumerate(zip(self.prompts, self.completions)):
-            out[b, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        for b, (prompt, c) in enumerate(zip(self.prompts, self.completions)):
+            out[b, : len(prompt) + len(c)] = torch.tensor(prompt + c, dtype=torch.long)
         return out.to(device) if device is not None else out
 
 
@@ -753,15 +757,15 @@ def _check_rollout_args(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    for b, p in enumerate(prompts):
-        if not p:
+    for b, prompt in enumerate(prompts):
+        if not prompt:
             raise ValueError(f"prompt {b} is empty")
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+        if len(prompt) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
-                f"prompt {b}: {len(p)} tokens + {max_new_tokens} new exceed the position limit "
+                f"prompt {b}: {len(prompt)} tokens + {max_new_tokens} new exceed the position limit "
                 f"max_position_embeddings={cfg.max_position_embeddings}"
             )
-        _check_ids(torch.tensor(p), cfg, f"prompt {b}")
+        _check_ids(torch.tensor(prompt), cfg, f"prompt {b}")
     if sequence_ids is not None and len(sequence_ids) != len(prompts):
         raise ValueError(f"sequence_ids has {len(sequence_ids)} entries for {len(prompts)} prompts")
 
@@ -819,12 +823,12 @@ def rollout(
     R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
     threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
-    T = max(len(p) for p in prompts) + N
-    tokens = torch.tensor([p + [0] * (T - len(p)) for p in prompts], device=model.device)  # (B, T) long
+    T = max(len(prompt) for prompt in prompts) + N
+    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T) long
     cache = LoopCache.empty(model, B, T)
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
     completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], []  # tokens, exit loops, calls
-    newest = [len(p) - 1 for p in prompts]  # the position whose readout samples each sequence's next token
+    newest = [len(prompt) - 1 for prompt in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
     prefill = True
     # Each pass of this loop is one step: every active sequence samples one token from its newest position
@@ -860,13 +864,13 @@ def rollout(
                     call.readout.append(rows[i])
             # 4) Read out the rows that exit at this loop and sample each one's next token.
             if call.readout:
-                logp = read_out(model, call, h, temperature, numerics)  # (k, V)
+                logp = read_out(model, call, h, temperature, numerics)  # (n_out, V)
                 for (b, _), lp in zip(call.readout, logp):
                     tok = sample_token(lp, gens[b], temperature)
                     logprobs[b, len(completions[b])] = lp[tok].cpu()
                     completions[b].append(tok)
                     exits[b].append(r)
-                kv_after_readout(kv, cache, call, [len(p) for p in prompts])
+                kv_after_readout(kv, cache, call, [len(prompt) for prompt in prompts])
             calls.append(call)
         # 5) Sequences that sampled EOS or reached N stop (their last token never enters the model); the
         #    others append their token, which becomes the newest position of the next step.
@@ -877,9 +881,9 @@ def rollout(
             else:
                 newest[b] += 1
                 tokens[b, newest[b]] = completions[b][-1]
-    mask = torch.tensor([[k < len(c) for k in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
+    mask = torch.tensor([[i < len(c) for i in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
     return Rollout(
-        prompts=[list(p) for p in prompts],
+        prompts=[list(prompt) for prompt in prompts],
         completions=completions,
         exit_loops=exits,
         logprobs=logprobs,
@@ -913,18 +917,20 @@ def execute_schedule(
     _check_ids(tokens, model.config, "rollout tokens")
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
-    prompt_lens = [len(p) for p in ro.prompts]
+    prompt_lens = [len(prompt) for prompt in ro.prompts]
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
         if not call.readout:
             continue
-        logp = read_out(model, call, h, ro.temperature, numerics)  # (k, V)
-        b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (k,)
-        p = torch.tensor([p for _, p in call.readout], device=model.device)  # (k,)
-        k = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # completion index
-        out = out.index_put((b, k), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
+        logp = read_out(model, call, h, ro.temperature, numerics)  # (n_out, V)
+        b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
+        p = torch.tensor([p for _, p in call.readout], device=model.device)  # (n_out,)
+        tok_index = p - torch.tensor(
+            [prompt_lens[i] - 1 for i in b.tolist()], device=model.device
+        )  # (n_out,) in 0..N-1
+        out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
         kv_after_readout(ro.kv, cache, call, prompt_lens)
     return out
 
@@ -1099,7 +1105,7 @@ class ReplayMismatchError(RuntimeError):
 
 
 def _nonfinite_parameters(model: nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if not p.isfinite().all()][:5]
+    return [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
 
 
 def _check_finite_params(model: nn.Module, when: str) -> None:
@@ -1165,9 +1171,9 @@ def _global_count(mask: torch.Tensor, loss_agg: str, all_reduce) -> float | None
 
 def _all_reduce_grads(model: LoopedLM, all_reduce) -> None:
     if all_reduce is not None:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad = all_reduce(p.grad)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad = all_reduce(param.grad)
 
 
 def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
