@@ -40,8 +40,9 @@ from hypothesis import strategies as st
 
 import scalerlt_ref as S
 
-settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=15,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", derandomize=True, database=None, deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("dev", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -52,8 +53,17 @@ def examples(n: int) -> settings:
 
 
 HERE = Path(__file__).resolve().parent
-TINY = dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, total_ut_steps=2, max_position_embeddings=64, initializer_range=0.5)
+TINY = dict(
+    vocab_size=50,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    total_ut_steps=2,
+    max_position_embeddings=64,
+    initializer_range=0.5,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -121,8 +131,13 @@ class Case:
         return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype)
 
     def rollout(self, model: S.LoopedLM, **kw) -> S.Rollout:
-        args = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                    exit_threshold=self.threshold, min_loops=self.min_loops, seed=self.seed)
+        args = dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            exit_threshold=self.threshold,
+            min_loops=self.min_loops,
+            seed=self.seed,
+        )
         return S.rollout(model, self.prompts, **(args | kw))
 
 
@@ -133,11 +148,16 @@ def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures
     B = draw(between(*batch))
     token = st.integers(0, cfg.vocab_size - 1)
     prompts = [[draw(token) for _ in range(draw(between(1, 5)))] for _ in range(B)]  # mixed lengths
-    return Case(cfg=cfg, model_seed=draw(st.integers(0, 2**16)), prompts=prompts,
-                threshold=draw(st.floats(0.3, 0.95)),
-                min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
-                seed=draw(st.integers(0, 2**16)), max_new_tokens=draw(between(*new_tokens)),
-                temperature=draw(st.sampled_from(temperatures)))
+    return Case(
+        cfg=cfg,
+        model_seed=draw(st.integers(0, 2**16)),
+        prompts=prompts,
+        threshold=draw(st.floats(0.3, 0.95)),
+        min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
+        seed=draw(st.integers(0, 2**16)),
+        max_new_tokens=draw(between(*new_tokens)),
+        temperature=draw(st.sampled_from(temperatures)),
+    )
 
 
 # Tests about deferral draw at least 2 new tokens: a 1-token rollout is all prefill, nothing to defer.
@@ -170,7 +190,7 @@ def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tenso
 
     def rope(x, t):  # x (D,) at position t: NeoX split-half, pairs (i, i + D/2)
         c, s = torch.cos(t * inv_freq), torch.sin(t * inv_freq)
-        x1, x2 = x[: D // 2], x[D // 2:]
+        x1, x2 = x[: D // 2], x[D // 2 :]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s])
 
     logits = torch.zeros(R, B, T, cfg.vocab_size, dtype=torch.float64)
@@ -180,18 +200,18 @@ def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tenso
         for r in range(R):
             for i in range(L):
                 pre = f"model.layers.{i}."
-                w = {k[len(pre):].removesuffix(".weight"): v for k, v in sd.items() if k.startswith(pre)}
+                w = {k[len(pre) :].removesuffix(".weight"): v for k, v in sd.items() if k.startswith(pre)}
                 a = [rms(h[t], w["input_layernorm"]) for t in range(T)]
                 Wk, Wv = w["self_attn.k_proj"], w["self_attn.v_proj"]  # (G*D, C)
-                ks = [[rope(Wk[g * D:(g + 1) * D] @ a[t], t) for g in range(G)] for t in range(T)]
-                vs = [[Wv[g * D:(g + 1) * D] @ a[t] for g in range(G)] for t in range(T)]
+                ks = [[rope(Wk[g * D : (g + 1) * D] @ a[t], t) for g in range(G)] for t in range(T)]
+                vs = [[Wv[g * D : (g + 1) * D] @ a[t] for g in range(G)] for t in range(T)]
                 new = []
                 for t in range(T):
                     heads = []
                     for hh in range(H):
                         g = hh // (H // G)  # GQA: query head hh reads kv head g
-                        q = rope(w["self_attn.q_proj"][hh * D:(hh + 1) * D] @ a[t], t)
-                        scores = torch.stack([q @ ks[s][g] for s in range(t + 1)]) * D ** -0.5  # causal
+                        q = rope(w["self_attn.q_proj"][hh * D : (hh + 1) * D] @ a[t], t)
+                        scores = torch.stack([q @ ks[s][g] for s in range(t + 1)]) * D**-0.5  # causal
                         e = torch.exp(scores - scores.max())
                         p = e / e.sum()
                         heads.append(sum(p[s] * vs[s][g] for s in range(t + 1)))
@@ -204,8 +224,7 @@ def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tenso
             h = [rms(x, sd["model.norm.weight"]) for x in h]  # inside the loop: feeds loop r + 1
             for t in range(T):
                 logits[r, b, t] = sd["lm_head.weight"] @ h[t]
-                gates[r, b, t] = (sd["model.early_exit_gate.weight"][0] @ h[t]
-                                  + sd["model.early_exit_gate.bias"][0])
+                gates[r, b, t] = sd["model.early_exit_gate.weight"][0] @ h[t] + sd["model.early_exit_gate.bias"][0]
     return logits, gates
 
 
@@ -219,8 +238,14 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @examples(20)
-@given(cfg=configs(), model_seed=st.integers(0, 2**16), B=between(1, 3), T=between(1, 6),
-       numerics=st.sampled_from(S.NUMERICS), data=st.data())
+@given(
+    cfg=configs(),
+    model_seed=st.integers(0, 2**16),
+    B=between(1, 3),
+    T=between(1, 6),
+    numerics=st.sampled_from(S.NUMERICS),
+    data=st.data(),
+)
 def test_loop_outputs_match_slow_twin(cfg, model_seed, B, T, numerics, data):
     """The batched model must compute SPEC §2 exactly; the per-position twin is the definition."""
     model = S.LoopedLM(cfg, seed=model_seed).double()
@@ -306,8 +331,14 @@ def test_sharded_checkpoint_loads_exactly(tmp_path):
     model = S.LoopedLM(cfg, seed=3)
     sd = model.state_dict()
     keys = sorted(sd)
-    _write_hf_checkpoint(tmp_path, cfg, {"model-00001-of-00002.safetensors": {k: sd[k] for k in keys[::2]},
-                                         "model-00002-of-00002.safetensors": {k: sd[k] for k in keys[1::2]}})
+    _write_hf_checkpoint(
+        tmp_path,
+        cfg,
+        {
+            "model-00001-of-00002.safetensors": {k: sd[k] for k in keys[::2]},
+            "model-00002-of-00002.safetensors": {k: sd[k] for k in keys[1::2]},
+        },
+    )
     assert not (tmp_path / "model.safetensors").exists()
     loaded = S.LoopedLM.from_pretrained(tmp_path)
     for k, v in loaded.state_dict().items():
@@ -329,15 +360,24 @@ def test_unknown_config_key_is_named(key):
 
 
 @examples(15)
-@given(bad=st.one_of(
-    st.tuples(st.integers(8, 64), st.integers(2, 8)).filter(lambda t: t[0] % t[1]).map(
-        lambda t: ("num_attention_heads", dict(hidden_size=t[0], num_attention_heads=t[1],
-                                               num_key_value_heads=1))),
-    st.tuples(st.integers(1, 8), st.integers(1, 8)).filter(lambda t: t[0] % t[1]).map(
-        lambda t: ("num_key_value_heads", dict(hidden_size=16 * t[0], num_attention_heads=t[0],
-                                               num_key_value_heads=t[1]))),
-    st.integers(-3, 0).map(lambda r: ("total_ut_steps", dict(total_ut_steps=r))),
-))
+@given(
+    bad=st.one_of(
+        st.tuples(st.integers(8, 64), st.integers(2, 8))
+        .filter(lambda t: t[0] % t[1])
+        .map(
+            lambda t: ("num_attention_heads", dict(hidden_size=t[0], num_attention_heads=t[1], num_key_value_heads=1))
+        ),
+        st.tuples(st.integers(1, 8), st.integers(1, 8))
+        .filter(lambda t: t[0] % t[1])
+        .map(
+            lambda t: (
+                "num_key_value_heads",
+                dict(hidden_size=16 * t[0], num_attention_heads=t[0], num_key_value_heads=t[1]),
+            )
+        ),
+        st.integers(-3, 0).map(lambda r: ("total_ut_steps", dict(total_ut_steps=r))),
+    )
+)
 def test_impossible_config_is_refused_naming_key(bad):
     """Impossible shapes must fail at load time, naming the key to fix, not deep inside a forward."""
     key, override = bad
@@ -360,14 +400,12 @@ def test_every_tiny_config_loads():
 # --- the exit rule ---------------------------------------------------------------------------------
 
 # Mostly moderate gate logits (CDFs spread over (0, 1)), some saturated ones (sigmoid rounds to 0 or 1).
-gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)),
-                        min_size=1, max_size=6)
+gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)), min_size=1, max_size=6)
 float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 
 
 @examples(25)
-@given(gates=gate_vectors, t=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=2), dtype=float_dtypes,
-       data=st.data())
+@given(gates=gate_vectors, t=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=2), dtype=float_dtypes, data=st.data())
 def test_exit_is_monotone_in_threshold(gates, t, dtype, data):
     """A stricter threshold can only make a token think longer; otherwise the threshold is no dial."""
     R = len(gates)
@@ -493,8 +531,13 @@ def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype
 
 def _first_divergence(a: S.Rollout, b: S.Rollout, seq: int) -> int:
     """Index of the first completion token where the two rollouts' tokens or exit loops differ."""
-    pairs = list(zip(zip(a.completions[seq], a.exit_loops[seq], strict=True),
-                     zip(b.completions[seq], b.exit_loops[seq], strict=True), strict=False))
+    pairs = list(
+        zip(
+            zip(a.completions[seq], a.exit_loops[seq], strict=True),
+            zip(b.completions[seq], b.exit_loops[seq], strict=True),
+            strict=False,
+        )
+    )
     return next((k for k, (x, y) in enumerate(pairs) if x != y), len(pairs))
 
 
@@ -519,8 +562,11 @@ def test_fast_schedules_agree_to_rounding(case):
 
 
 @examples(10)
-@given(logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5), seed=st.integers(0, 2**16),
-       temperature=st.sampled_from([0.5, 1.0, 2.0]))
+@given(
+    logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5),
+    seed=st.integers(0, 2**16),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+)
 def test_sampling_follows_the_policy(logits, temperature, seed):
     """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
     logp = S.policy_logprobs(torch.tensor([logits]), temperature)[0]  # (V,)
@@ -532,8 +578,11 @@ def test_sampling_follows_the_policy(logits, temperature, seed):
 
 
 @examples(20)
-@given(case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6), batch=(1, 3), temperatures=(0.0, 0.7, 1.0, 1.5)),
-       mode=modes, numerics=st.sampled_from(S.NUMERICS))
+@given(
+    case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6), batch=(1, 3), temperatures=(0.0, 0.7, 1.0, 1.5)),
+    mode=modes,
+    numerics=st.sampled_from(S.NUMERICS),
+)
 def test_float64_rollout_matches_full_recompute(case, mode, numerics):
     """Caches, deferral and exits must not change the policy: each step recomputed from scratch agrees."""
     model = case.model(torch.float64)
@@ -616,9 +665,18 @@ def test_sequence_does_not_depend_on_its_batch(case, mode, data):
     model = case.model()
     i = data.draw(st.integers(0, len(case.prompts) - 1))
     batch = case.rollout(model, mode=mode, numerics="invariant")
-    alone = S.rollout(model, [case.prompts[i]], mode=mode, numerics="invariant", sequence_ids=[i],
-                      max_new_tokens=case.max_new_tokens, temperature=case.temperature,
-                      exit_threshold=case.threshold, min_loops=case.min_loops, seed=case.seed)
+    alone = S.rollout(
+        model,
+        [case.prompts[i]],
+        mode=mode,
+        numerics="invariant",
+        sequence_ids=[i],
+        max_new_tokens=case.max_new_tokens,
+        temperature=case.temperature,
+        exit_threshold=case.threshold,
+        min_loops=case.min_loops,
+        seed=case.seed,
+    )
     assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
     d = maxdiff(alone.logprobs[0], batch.logprobs[i])
     assert torch.equal(alone.logprobs[0], batch.logprobs[i]), f"alone vs in a batch: max |diff| = {d:.3e}"
@@ -684,7 +742,11 @@ def test_group_advantages_hand_computed():
         "none": [0.5, -0.5] * 2 + [0.0] * 4,
     }
     for scale, e in expect.items():
-        e = torch.tensor([e[0], e[1], e[1], e[0]] + e[4:]) if scale != "none" else torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+        e = (
+            torch.tensor([e[0], e[1], e[1], e[0]] + e[4:])
+            if scale != "none"
+            else torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+        )
         got = S.group_advantages(r, 4, scale)
         assert torch.allclose(got, e, atol=1e-6), f"{scale}: max diff {(got - e).abs().max()}"
 
@@ -704,8 +766,9 @@ def test_clipped_surrogate_hand_computed():
     """Clipping binds only in the direction that matters: ratio 1.5 is clipped for A > 0, not for A < 0."""
     logp_old = torch.zeros(2, 1)
     logp = torch.full((2, 1), math.log(1.5))
-    loss, stats = S.grpo_loss(logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool),
-                              epsilon_low=0.2, epsilon_high=0.2)
+    loss, stats = S.grpo_loss(
+        logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool), epsilon_low=0.2, epsilon_high=0.2
+    )
     expect = -(1.2 * 1.0 + 1.5 * -1.0) / 2
     assert abs(float(loss) - expect) < 1e-6, f"{float(loss)} != {expect}"
     assert stats["clip_ratio"] == 0.5
@@ -716,8 +779,9 @@ def test_clipped_surrogate_hand_computed():
 def test_first_grpo_iteration_ratios_exactly_one(cfg, data, dtype):
     """On-policy means on-policy: the learner's first-iteration ratio is exactly 1.0 and nothing is clipped."""
     model = S.LoopedLM(cfg, seed=data.draw(st.integers(0, 3))).to(dtype)
-    prompts = data.draw(st.lists(st.lists(st.integers(0, cfg.vocab_size - 1), min_size=1, max_size=4),
-                                 min_size=2, max_size=2))
+    prompts = data.draw(
+        st.lists(st.lists(st.integers(0, cfg.vocab_size - 1), min_size=1, max_size=4), min_size=2, max_size=2)
+    )
     ro = S.rollout(model, [p for p in prompts for _ in range(2)], mode="deferred", max_new_tokens=4, seed=1)
     ratio = torch.exp(S.learner_logprobs(model, ro).detach() - ro.logprobs)
     assert bool((ratio[ro.mask] == 1.0).all()), f"ratios {ratio[ro.mask].tolist()}"
@@ -729,9 +793,18 @@ def test_first_grpo_iteration_ratios_exactly_one(cfg, data, dtype):
 
 def test_teacher_forced_gradient_finite_differences():
     """The teacher-forced gradient is the true derivative (float64 central differences, rtol 1e-6)."""
-    cfg = S.Config(vocab_size=30, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                   num_key_value_heads=1, num_hidden_layers=1, total_ut_steps=3, early_exit_threshold=0.6,
-                   initializer_range=0.5, max_position_embeddings=32)
+    cfg = S.Config(
+        vocab_size=30,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        total_ut_steps=3,
+        early_exit_threshold=0.6,
+        initializer_range=0.5,
+        max_position_embeddings=32,
+    )
     model = S.LoopedLM(cfg, seed=1).double()
     ro = S.rollout(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
     w = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * ro.mask
@@ -739,8 +812,13 @@ def test_teacher_forced_gradient_finite_differences():
     model.zero_grad()
     (S.teacher_forced_logprobs(model, ro) * w).sum().backward()
     params = dict(model.named_parameters())
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight",
-                 "model.layers.0.input_layernorm_2.weight", "lm_head.weight", "model.embed_tokens.weight"]:
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm_2.weight",
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    ]:
         p = params[name]
         for flat in [0, p.numel() // 2, p.numel() - 1]:
             idx = np.unravel_index(flat, tuple(p.shape))
@@ -756,8 +834,27 @@ def test_teacher_forced_gradient_finite_differences():
 
 
 def _train(tmp_path, *extra):
-    args = ["train", "--config", TINY_JSON, "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
-            "--max-new-tokens", "6", "--subset", "20", "--device", "cpu", "--lr", "1e-2", "--save-every", "1"]
+    args = [
+        "train",
+        "--config",
+        TINY_JSON,
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--subset",
+        "20",
+        "--device",
+        "cpu",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "1",
+    ]
     return S.main(args + list(extra))
 
 
@@ -784,6 +881,7 @@ def test_non_finite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, 
             with torch.no_grad():
                 model.lm_head.weight[0, 0] = float("nan")
         return real(model, *a, **k)
+
     monkeypatch.setattr(S, "grpo_update", poisoned)
     assert _train(tmp_path, "--out", str(tmp_path / "run")) == 1
     assert "last good checkpoint" in capsys.readouterr().out
@@ -823,19 +921,42 @@ def test_train_one_step_on_real_gsm8k(tmp_path):
     if not path.exists():
         pytest.skip(f"GSM8K not found at {path}")
     out = tmp_path / "run"
-    rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--subset", "4", "--steps", "1",
-                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--device", "cpu",
-                 "--out", str(out)])
+    rc = S.main(
+        [
+            "train",
+            "--config",
+            TINY_JSON,
+            "--data",
+            str(path),
+            "--subset",
+            "4",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and (out / "model.safetensors").exists() and (out / "metrics.jsonl").exists()
     S.LoopedLM.from_pretrained(out)
 
 
-@pytest.mark.parametrize("content,needle", [
-    ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ":2: missing string key 'answer'"),
-    ('{"question": "q", "answer": "no final answer"}\n', ":1: 'answer' has no '#### <number>'"),
-    ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: not valid JSON"),
-    ("", "has no problems"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ":2: missing string key 'answer'"),
+        ('{"question": "q", "answer": "no final answer"}\n', ":1: 'answer' has no '#### <number>'"),
+        ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: not valid JSON"),
+        ("", "has no problems"),
+    ],
+)
 def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
     """Malformed GSM8K files are refused with the file and line named."""
     path = tmp_path / "bad.jsonl"
@@ -848,7 +969,9 @@ def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
 def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
     """A subset larger than the file and a prompt over the position limit are clear errors."""
     path = tmp_path / "d.jsonl"
-    path.write_text('{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n')
+    path.write_text(
+        '{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
+    )
     with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
         S.gsm8k_load(path, subset=5)
     rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
@@ -873,8 +996,26 @@ def _records(tmp_path, kv):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt": "hi"}\n{"prompt_ids": [9]}\n')
     out = tmp_path / f"ro-{kv}.jsonl"
-    assert S.main(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out), "--kv", kv,
-                   "--max-new-tokens", "6", "--seed", "3"]) == 0
+    assert (
+        S.main(
+            [
+                "rollout",
+                "--config",
+                TINY_JSON,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--kv",
+                kv,
+                "--max-new-tokens",
+                "6",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -904,14 +1045,20 @@ def test_verify_reports_first_perturbed_logprob(tmp_path, capsys):
     assert (fm["sequence"], fm["token"]) == (1, 2) and abs(fm["got"] - recs[1]["logprobs"][2]) < 1e-12
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("not json", "not valid JSON"),
-    ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
-    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
-    ('{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}', "outside the vocabulary"),
-    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
-    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("not json", "not valid JSON"),
+        ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
+        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
+        (
+            '{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}',
+            "outside the vocabulary",
+        ),
+        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
+        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
+    ],
+)
 def test_verify_bad_input_exits_2_naming_the_line(tmp_path, capsys, line, needle):
     """Malformed records exit 2 with the file and line named."""
     path = tmp_path / "bad.jsonl"
@@ -955,15 +1102,52 @@ def test_two_processes_match_one(tmp_path):
     """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
     parameters after two steps agree with one process to 1e-5 relative."""
     script = str(Path(S.__file__).resolve())
-    common = ["train", "--config", TINY_JSON, "--steps", "2", "--prompts-per-step", "4", "--group-size", "2",
-              "--max-new-tokens", "4", "--numerics", "invariant", "--reward", "digits", "--subset", "20",
-              "--device", "cpu", "--log-rollouts", "--lr", "1e-2"]
+    common = [
+        "train",
+        "--config",
+        TINY_JSON,
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--numerics",
+        "invariant",
+        "--reward",
+        "digits",
+        "--subset",
+        "20",
+        "--device",
+        "cpu",
+        "--log-rollouts",
+        "--lr",
+        "1e-2",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run([sys.executable, script, *common, "--out", str(one)], check=True, env=env, timeout=300,
-                   capture_output=True)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          script, *common, "--out", str(two)], env=env, timeout=300, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, script, *common, "--out", str(one)], check=True, env=env, timeout=300, capture_output=True
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            script,
+            *common,
+            "--out",
+            str(two),
+        ],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
     def records(folder):
@@ -973,6 +1157,7 @@ def test_two_processes_match_one(tmp_path):
                 d = json.loads(line)
                 out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
         return out
+
     r1, r2 = records(one), records(two)
     assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
     assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
@@ -1025,8 +1210,13 @@ def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
 # Bad input (issue 14)
 # ---------------------------------------------------------------------------------------------------
 
-GOOD_RECORD = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "exit_loops": [2, 1], "logprobs": [-3.0, -3.5],
-               "temperature": 1.0}
+GOOD_RECORD = {
+    "prompt_ids": [1, 2, 3],
+    "completion_ids": [4, 5],
+    "exit_loops": [2, 1],
+    "logprobs": [-3.0, -3.5],
+    "temperature": 1.0,
+}
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, str]:
@@ -1110,14 +1300,17 @@ def test_non_float_checkpoint_tensors_are_listed(tmp_path, dtype):
     assert all(k in str(e.value) for k in names), str(e.value)
 
 
-@pytest.mark.parametrize("index,needle", [
-    ({"weight_map": {"lm_head.weight": "../elsewhere/x.safetensors"}}, "outside the checkpoint folder"),
-    ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "outside the checkpoint folder"),
-    ({"weight_map": ["model.safetensors"]}, "needs a non-empty object 'weight_map'"),
-    ([{"weight_map": {}}], "needs a non-empty object 'weight_map'"),
-    ({"weight_map": {"lm_head.weight": 3}}, "not a file name"),
-    ({"weight_map": {"lm_head.weight": "missing.safetensors"}}, "no such file"),
-])
+@pytest.mark.parametrize(
+    "index,needle",
+    [
+        ({"weight_map": {"lm_head.weight": "../elsewhere/x.safetensors"}}, "outside the checkpoint folder"),
+        ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "outside the checkpoint folder"),
+        ({"weight_map": ["model.safetensors"]}, "needs a non-empty object 'weight_map'"),
+        ([{"weight_map": {}}], "needs a non-empty object 'weight_map'"),
+        ({"weight_map": {"lm_head.weight": 3}}, "not a file name"),
+        ({"weight_map": {"lm_head.weight": "missing.safetensors"}}, "no such file"),
+    ],
+)
 def test_bad_index_is_refused(tmp_path, capsys, index, needle):
     """A sharded index is validated (its JSON shape, its names, every shard inside the folder)."""
     ckpt = _tiny_checkpoint(tmp_path / "m")
@@ -1130,9 +1323,15 @@ def test_bad_index_is_refused(tmp_path, capsys, index, needle):
     _one_line_error(err, "model.safetensors.index.json", needle)
 
 
-HUGE_CONFIGS = [{"vocab_size": 10**12}, {"hidden_size": 2**31}, {"intermediate_size": 10**12},
-                {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8}, {"head_dim": 2**32},
-                {"total_ut_steps": 10**9}, {"max_position_embeddings": 10**12}]
+HUGE_CONFIGS = [
+    {"vocab_size": 10**12},
+    {"hidden_size": 2**31},
+    {"intermediate_size": 10**12},
+    {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8},
+    {"head_dim": 2**32},
+    {"total_ut_steps": 10**9},
+    {"max_position_embeddings": 10**12},
+]
 
 
 @pytest.mark.parametrize("override", HUGE_CONFIGS)
@@ -1147,9 +1346,17 @@ def test_huge_config_refused_before_allocation(tmp_path, capsys, override):
 
 def test_ouro_1_4b_config_is_within_the_memory_limit():
     """The real Ouro-1.4B shape must stay loadable under the limit (its KV is counted at 4096 positions)."""
-    ouro = {"model_type": "ouro", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
-            "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "total_ut_steps": 4,
-            "max_position_embeddings": 65536}
+    ouro = {
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "total_ut_steps": 4,
+        "max_position_embeddings": 65536,
+    }
     cfg = S.Config.from_dict(ouro, "ouro")
     assert sum(S._config_bytes(cfg).values()) < S.MAX_MODEL_BYTES
 
@@ -1166,15 +1373,22 @@ def _bad_hf_config(path: Path, **override) -> Path:
     return path
 
 
-@pytest.mark.parametrize("override,needle", [
-    ({"rope_scaling": [1, 2]}, "'rope_scaling'"), ({"layer_types": "full_attention"}, "'layer_types'"),
-    ({"layer_types": [1]}, "'layer_types'"), ({"hidden_act": 3}, "'hidden_act'"),
-    ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"), ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
-    ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
-    ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
-    ({"initializer_range": float("nan")}, "'initializer_range'"), ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
-    ({"eos_token_id": ["a"]}, "'eos_token_id'"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ({"rope_scaling": [1, 2]}, "'rope_scaling'"),
+        ({"layer_types": "full_attention"}, "'layer_types'"),
+        ({"layer_types": [1]}, "'layer_types'"),
+        ({"hidden_act": 3}, "'hidden_act'"),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
+        ({"initializer_range": float("nan")}, "'initializer_range'"),
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
+        ({"eos_token_id": ["a"]}, "'eos_token_id'"),
+    ],
+)
 def test_hf_config_keys_are_type_checked(tmp_path, capsys, override, needle):
     """Every config key is type-checked (booleans too): a wrong type is an error naming it, not a traceback."""
     ckpt = _bad_hf_config(_tiny_checkpoint(tmp_path / "m"), **override)
@@ -1223,8 +1437,12 @@ def test_bad_tokenizer_is_one_line(tmp_path, capsys, content):
 # Raw record lines that no JSON reader should turn into a traceback: each must be exit 2 naming line 2.
 RAW_BAD_LINES = [
     ("[" * 100_000 + "]" * 100_000, "nested deeper"),
-    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
-     + "1" * 400 + "}", "digits"),
+    (
+        '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
+        + "1" * 400
+        + "}",
+        "digits",
+    ),
     ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [-' + "1" * 400 + "]}", "digits"),
     ('{"prompt_ids": [' + "1" * 5000 + '], "completion_ids": [], "exit_loops": [], "logprobs": []}', "digits"),
 ]
@@ -1262,25 +1480,61 @@ def _flags(tmp_path, command: str) -> list[str]:
     records = _good_records(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    return {"train": ["train", "--config", TINY_JSON, "--steps", "1", "--sft-steps", "50", "--device", "cpu",
-                      "--out", str(tmp_path / "out")],
-            "verify": ["verify", "--config", TINY_JSON, "--rollouts", str(records)],
-            "rollout": ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(tmp_path / "out")],
-            "demo": ["demo", "--out", str(tmp_path / "out")]}[command]
+    return {
+        "train": [
+            "train",
+            "--config",
+            TINY_JSON,
+            "--steps",
+            "1",
+            "--sft-steps",
+            "50",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        "verify": ["verify", "--config", TINY_JSON, "--rollouts", str(records)],
+        "rollout": ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(tmp_path / "out")],
+        "demo": ["demo", "--out", str(tmp_path / "out")],
+    }[command]
 
 
 BAD_FLAGS = [
-    ("verify", "--atol", "nan"), ("verify", "--atol", "-1"), ("verify", "--min-loops", "-1"),
-    ("verify", "--flip-margin", "nan"), ("verify", "--exit-threshold", "inf"), ("verify", "--init-seed", "-1"),
-    ("train", "--max-grad-norm", "nan"), ("train", "--max-grad-norm", "-1"), ("train", "--epsilon-low", "-1"),
-    ("train", "--epsilon-low", "inf"), ("train", "--epsilon-low", "1e308"), ("train", "--epsilon-high", "1e308"),
-    ("train", "--beta", "-1"), ("train", "--beta", "nan"), ("train", "--lr", "inf"), ("train", "--lr", "-1"),
-    ("train", "--temperature", "inf"), ("train", "--subset", "-1"), ("train", "--prompts-per-step", str(10**30)),
-    ("train", "--steps", "0"), ("train", "--mu", "0"), ("train", "--group-size", "0"), ("train", "--seed", "-1"),
-    ("train", "--save-every", "0"), ("train", "--max-new-tokens", "0"), ("train", "--device", "tpu"),
-    ("rollout", "--exit-threshold", "nan"), ("rollout", "--eos-id", "-1"), ("rollout", "--eos-id", str(10**30)),
-    ("rollout", "--temperature", "inf"), ("rollout", "--max-new-tokens", "0"),
-    ("demo", "--lr", "nan"), ("demo", "--problems", "0"), ("demo", "--steps", "-1"),
+    ("verify", "--atol", "nan"),
+    ("verify", "--atol", "-1"),
+    ("verify", "--min-loops", "-1"),
+    ("verify", "--flip-margin", "nan"),
+    ("verify", "--exit-threshold", "inf"),
+    ("verify", "--init-seed", "-1"),
+    ("train", "--max-grad-norm", "nan"),
+    ("train", "--max-grad-norm", "-1"),
+    ("train", "--epsilon-low", "-1"),
+    ("train", "--epsilon-low", "inf"),
+    ("train", "--epsilon-low", "1e308"),
+    ("train", "--epsilon-high", "1e308"),
+    ("train", "--beta", "-1"),
+    ("train", "--beta", "nan"),
+    ("train", "--lr", "inf"),
+    ("train", "--lr", "-1"),
+    ("train", "--temperature", "inf"),
+    ("train", "--subset", "-1"),
+    ("train", "--prompts-per-step", str(10**30)),
+    ("train", "--steps", "0"),
+    ("train", "--mu", "0"),
+    ("train", "--group-size", "0"),
+    ("train", "--seed", "-1"),
+    ("train", "--save-every", "0"),
+    ("train", "--max-new-tokens", "0"),
+    ("train", "--device", "tpu"),
+    ("rollout", "--exit-threshold", "nan"),
+    ("rollout", "--eos-id", "-1"),
+    ("rollout", "--eos-id", str(10**30)),
+    ("rollout", "--temperature", "inf"),
+    ("rollout", "--max-new-tokens", "0"),
+    ("demo", "--lr", "nan"),
+    ("demo", "--problems", "0"),
+    ("demo", "--steps", "-1"),
 ]
 
 
@@ -1315,12 +1569,26 @@ def test_unwritable_out_refused_before_any_work(tmp_path, capsys, out):
 
 def test_disk_error_is_one_line(tmp_path, capsys, monkeypatch):
     """A full disk while saving is a one-line error naming the file, not a traceback."""
+
     def full(out, *a, **k):
         raise OSError(28, "No space left on device", str(out / "trainer_state.pt"))
+
     monkeypatch.setattr(S, "save_trainer_state", full)
-    rc, err = _run(capsys, _flags(tmp_path, "train")[:-1] + [str(tmp_path / "run"), "--sft-steps", "0",
-                                                                "--prompts-per-step", "1", "--group-size", "2",
-                                                                "--max-new-tokens", "2"])
+    rc, err = _run(
+        capsys,
+        _flags(tmp_path, "train")[:-1]
+        + [
+            str(tmp_path / "run"),
+            "--sft-steps",
+            "0",
+            "--prompts-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "2",
+        ],
+    )
     assert rc == 2
     _one_line_error(err, "No space left on device", "trainer_state.pt")
 
@@ -1330,9 +1598,26 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
     """Past the flag checks (switched off here, as a caller that skips them would), an optimizer step that
     writes non-finite weights stops training before the step is saved."""
     out = tmp_path / "run"
-    args = S.build_parser().parse_args(_flags(tmp_path, "train")[:-1] + [
-        str(out), "--sft-steps", "0", "--save-every", "1", "--reward", "digits", "--prompts-per-step", "2",
-        "--group-size", "2", "--max-new-tokens", "4", flag, value])
+    args = S.build_parser().parse_args(
+        _flags(tmp_path, "train")[:-1]
+        + [
+            str(out),
+            "--sft-steps",
+            "0",
+            "--save-every",
+            "1",
+            "--reward",
+            "digits",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            flag,
+            value,
+        ]
+    )
     with pytest.raises(ValueError, match=flag):
         S.train_config_from_args(args)  # the checks refuse it first
     monkeypatch.setattr(S.TrainConfig, "validate", lambda self: None)
@@ -1361,10 +1646,12 @@ def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys
 
 # --- fuzz: generated bad records and configs -------------------------------------------------------
 
+
 def _main_captured(argv: list[str]) -> tuple[int, str]:
     """S.main with stdout and stderr captured (hypothesis tests cannot use the function-scoped capsys)."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
+
     err = io.StringIO()
     with redirect_stderr(err), redirect_stdout(io.StringIO()):
         rc = S.main(argv)
@@ -1390,8 +1677,12 @@ def bad_records(draw) -> str:
     else:
         i = draw(st.integers(0, len(rec[key]) - 1))
         ids = st.sampled_from([-1, 50, 10**30, 1.5, "1", None, True, _HUGE])  # TINY's vocabulary is 0..49
-        bad = {"prompt_ids": ids, "completion_ids": ids, "exit_loops": st.sampled_from([0, 3, -1, 1.0, "1", True]),
-               "logprobs": _NOT_A_NUMBER}[key]
+        bad = {
+            "prompt_ids": ids,
+            "completion_ids": ids,
+            "exit_loops": st.sampled_from([0, 3, -1, 1.0, "1", True]),
+            "logprobs": _NOT_A_NUMBER,
+        }[key]
         rec[key][i] = draw(st.one_of(bad, _DEEP))
     return json.dumps(rec)
 
@@ -1411,24 +1702,38 @@ def test_fuzzed_bad_records_exit_2_naming_file_and_line(tmp_path_factory, line):
     _one_line_error(err, f"{records}:2:")
 
 
-_INT_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "total_ut_steps", "max_position_embeddings"]
+_INT_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "total_ut_steps",
+    "max_position_embeddings",
+]
 _BAD_INT = st.sampled_from([0, -1, "4", 2.5, True, None, [1], float("nan"), 10**13, _HUGE])
 
 
 @st.composite
 def bad_configs(draw) -> tuple[str, object]:
     """(key, value) that no config may have."""
-    return draw(st.one_of(
-        st.tuples(st.sampled_from(_INT_KEYS), _BAD_INT),
-        st.tuples(st.just("head_dim"), st.sampled_from([-2, 3, "8", 2.5, True, [8], 2**40])),
-        st.tuples(st.sampled_from(["early_exit_threshold", "rope_theta", "rms_norm_eps", "initializer_range"]),
-                  st.sampled_from([float("nan"), float("inf"), "1", True, None, [1], _HUGE])),
-        st.tuples(st.sampled_from(["rope_theta", "rms_norm_eps", "initializer_range"]), st.just(-1.0)),
-        st.tuples(st.just("tie_word_embeddings"), st.sampled_from(["yes", 1, 0, float("nan"), [True], None])),
-        st.tuples(st.sampled_from(["bos_token_id", "eos_token_id", "pad_token_id"]),
-                  st.sampled_from([-1, 50, "1", 1.5, True, _HUGE])),
-    ))
+    return draw(
+        st.one_of(
+            st.tuples(st.sampled_from(_INT_KEYS), _BAD_INT),
+            st.tuples(st.just("head_dim"), st.sampled_from([-2, 3, "8", 2.5, True, [8], 2**40])),
+            st.tuples(
+                st.sampled_from(["early_exit_threshold", "rope_theta", "rms_norm_eps", "initializer_range"]),
+                st.sampled_from([float("nan"), float("inf"), "1", True, None, [1], _HUGE]),
+            ),
+            st.tuples(st.sampled_from(["rope_theta", "rms_norm_eps", "initializer_range"]), st.just(-1.0)),
+            st.tuples(st.just("tie_word_embeddings"), st.sampled_from(["yes", 1, 0, float("nan"), [True], None])),
+            st.tuples(
+                st.sampled_from(["bos_token_id", "eos_token_id", "pad_token_id"]),
+                st.sampled_from([-1, 50, "1", 1.5, True, _HUGE]),
+            ),
+        )
+    )
 
 
 @examples(40)
@@ -1463,14 +1768,17 @@ def test_default_flags_pass_their_checks(tmp_path):
 @st.composite
 def bad_prompt_lines(draw) -> str:
     """One prompts-file line that `rollout` must refuse (tiny.json: vocabulary 0..259)."""
-    ids = st.one_of(st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]),
-                    _DEEP.map(lambda x: [x]))
-    return draw(st.one_of(
-        ids.map(lambda v: json.dumps({"prompt_ids": v})),
-        st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
-        st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
-        _DEEP.map(json.dumps),
-    ))
+    ids = st.one_of(
+        st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]), _DEEP.map(lambda x: [x])
+    )
+    return draw(
+        st.one_of(
+            ids.map(lambda v: json.dumps({"prompt_ids": v})),
+            st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
+            st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
+            _DEEP.map(json.dumps),
+        )
+    )
 
 
 @examples(25)
