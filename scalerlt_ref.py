@@ -112,7 +112,7 @@ class Config:
     num_key_value_heads: int = 2  # KVH; H must be a multiple of KVH (GQA when KVH < H)
     head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
     total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro's code)
-    early_exit_threshold: float = 1.0  # exit at the first loop whose exit CDF reaches this
+    early_exit_threshold: float | None = 1.0  # exit at the first loop whose exit CDF reaches this; None: at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
@@ -129,6 +129,8 @@ class Config:
                 raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
             if f.type == "float" and not _is_finite_number(v):
                 raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
+            if f.type == "float | None" and v is not None and not _is_finite_number(v):
+                raise ValueError(f"config key {f.name!r} must be a finite number or null, got {v!r}")
             if f.type == "bool" and not isinstance(v, bool):
                 raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
             if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
@@ -162,10 +164,6 @@ class Config:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
-        if self.early_exit_threshold is None or not math.isfinite(self.early_exit_threshold):
-            raise ValueError(
-                f"config key 'early_exit_threshold' must be a finite number, got {self.early_exit_threshold}"
-            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -439,38 +437,121 @@ class LoopedLM(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 
 
-def exit_cdf(gate_logits: torch.Tensor, R: int) -> list[float]:
-    """CDF_j = 1 - prod_{i<=j}(1 - lambda_i) for the first j <= R loops given (CDF_R = 1), as floats.
+# Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the
+# replay and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's).
+# "survival" is SPEC §3's rule; "hf" is Hugging Face modeling_ouro.py's arithmetic, which an engine derived
+# from it computes, and which differs from "survival" in bfloat16 (README, "Checking a bfloat16 engine").
+EXIT_RULES = ("survival", "hf")
 
-    lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model), one element at a time.
+
+def _check_exit_rule(rule: str) -> None:
+    if rule not in EXIT_RULES:
+        raise ValueError(f"exit rule must be one of {EXIT_RULES}, got {rule!r}")
+
+
+def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
+    """SPEC §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
+
+    CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda in float32 (float64 for a float64 model); CDF_R = 1.
     """
     acc = acc_dtype(gate_logits.dtype)
-    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (j,)
-    remaining = torch.tensor(1.0, dtype=acc)  # prod (1 - lambda): the probability of not having exited
+    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (..., j)
+    remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lambda): not exited yet
     cdf = []
-    for j in range(1, lam.numel() + 1):
-        remaining = remaining * (1 - lam[j - 1])
-        cdf.append(1.0 if j == R else float(1 - remaining))
-    return cdf
+    for j in range(1, lam.shape[-1] + 1):
+        remaining = remaining * (1 - lam[..., j - 1])
+        cdf.append(torch.ones_like(remaining, dtype=torch.float64) if j == R else (1 - remaining).double())
+    return torch.stack(cdf, dim=-1) if cdf else lam.double()
 
 
-def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
-    """The exit rule for one position (SPEC §3), given the gate logits of its first j <= R loops.
+def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
+    """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
+
+    lambda_i = sigmoid(gate_i); p_i = lambda_i * remaining and remaining *= 1 - lambda_i for i < R,
+    p_R = remaining; CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
+    NOTE: three traps, each measured on this CPU build of torch. (1) bfloat16 cumsum accumulates in
+    float32 and rounds only its outputs (rounding every partial sum gave other bits at 33% of random
+    4-loop positions), so this calls torch.cumsum rather than adding in a loop. (2) HF's sigmoid runs on
+    one loop's gates of all positions at once; in float32 and float64 torch's vector kernel gives some
+    elements other bits than its scalar path (the tail of a call under 32 floats, or a lone element). We
+    take the scalar path for every element (`sigmoid_elementwise`): HF's bits whenever its call has
+    fewer than 32 gates (decoding fewer than 32 sequences), and independent of how the reference
+    batches; otherwise at most an ulp of lambda apart. bfloat16 showed no difference between the paths.
+    (3) p_1..p_j do not depend on loops after j (p_R only on earlier ones), and the cumsum runs in order,
+    so a prefix of gates gives a prefix of the CDF: the rule can decide after every loop.
+    """
+    lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
+    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
+    pdf = []
+    for i in range(lam.shape[-1]):  # loop i + 1
+        if i < R - 1:
+            pdf.append(lam[..., i] * remaining)
+            remaining = remaining * (1.0 - lam[..., i])
+        else:
+            pdf.append(remaining)  # the last loop takes what is left
+    return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1) if pdf else lam.clone()
+
+
+def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
+    """The exit CDF of one position after each of its first j <= R loops: (j,) gates -> j floats.
+
+    "survival": CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda_j = sigmoid(gate_j) in float32 (float64 for
+    a float64 model), one element at a time; CDF_R = 1. "hf": HF's cumsum of its exit pdf in the gates'
+    dtype (`_hf_cdf`), whose last value need not be exactly 1.
+    """
+    _check_exit_rule(rule)
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
+    return [float(c) for c in cdf]
+
+
+def exit_loops(
+    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+) -> list[int | None]:
+    """The exit rule (SPEC §3) for P positions at once, given the gate logits of their first j <= R loops:
+    gate_logits (P, j) -> P exit loops, each None while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= threshold (R when none: a threshold above 1
-    always runs all loops). Returns None while loops 1..j do not decide: the rollout asks after every loop.
-    NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
-    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
+    always runs all loops); threshold None (a config without one) always exits at R, as HF reads out the
+    last loop. Every operation is elementwise across positions, so a position's decision has the same
+    bits alone (`exit_loop`, what the rollout asks after every loop) as among others (the oracle).
+    NOTE: "survival" compares exactly: the CDF widened to float64 against the threshold as given (a
+    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf"
+    compares as HF does, a model-dtype tensor against a Python float, and torch first rounds the threshold
+    to the tensor's dtype: in bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
     """
-    for r, cdf in enumerate(exit_cdf(gate_logits, R), 1):
-        if r >= min_loops and (r == R or cdf >= threshold):
-            return r
-    return None
+    _check_exit_rule(rule)
+    P, j = gate_logits.shape
+    if threshold is None or j == 0:
+        return [R if j >= R else None] * P
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (P, j)
+    hit = cdf >= threshold  # (P, j) bool; for "hf" this is HF's own comparison
+    hit[:, : min_loops - 1] = False  # no exit before min_loops
+    if j == R:
+        hit[:, R - 1] = True  # the last loop always exits
+    first = hit.to(torch.int64).argmax(dim=1)  # (P,) the first loop that exits, 0-based
+    return [int(f) + 1 if bool(h) else None for f, h in zip(first, hit.any(dim=1))]
 
 
-def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
-    """CDF_r - threshold for r = 1..R (R values, CDF_R = 1), in float64: how far each loop was from exiting."""
-    return torch.tensor(exit_cdf(gate_logits, R), dtype=torch.float64) - threshold
+def exit_loop(
+    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+) -> int | None:
+    """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
+    while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for P = 1."""
+    return exit_loops(gate_logits[None], R, threshold, min_loops, rule)[0]
+
+
+def exit_threshold_as_compared(threshold: float, dtype: torch.dtype, rule: str = "survival") -> float:
+    """The threshold a rule's comparison really uses: as given ("survival"), or rounded to the gates'
+    dtype the way torch rounds a Python float compared with a tensor ("hf")."""
+    _check_exit_rule(rule)
+    return threshold if rule == "survival" else float(torch.tensor(threshold, dtype=torch.float64).to(dtype))
+
+
+def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float, rule: str = "survival") -> torch.Tensor:
+    """CDF_r - threshold for r = 1..R (R gates in, R values out), in float64: how far each loop was from
+    exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
+    cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
+    return cdf - exit_threshold_as_compared(threshold, gate_logits.dtype, rule)
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -544,6 +625,7 @@ class Schedule:
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
     kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
+    exit_rule: str = "survival"  # the rule that decided the exits: "survival" | "hf" (EXIT_RULES)
 
     def to_json(self) -> str:
         calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
@@ -554,6 +636,7 @@ class Schedule:
                 "dtype": self.dtype,
                 "loops": self.loops,
                 "kv": self.kv,
+                "exit_rule": self.exit_rule,
                 "calls": calls,
             }
         )
@@ -562,7 +645,8 @@ class Schedule:
     def from_json(cls, text: str) -> "Schedule":
         d = json.loads(text)
         calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
-        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], d.get("kv", "exact"))
+        kv, rule = d.get("kv", "exact"), d.get("exit_rule", "survival")  # schedules written before these keys
+        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], kv, rule)
 
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
@@ -706,6 +790,7 @@ class Rollout:
     schedule: Schedule
     temperature: float = 1.0
     kv: str = "exact"
+    exit_rule: str = "survival"  # the rule that decided exit_loops; replay and learner never re-decide
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -726,9 +811,11 @@ def _check_rollout_args(
     max_new_tokens: int,
     temperature: float,
     sequence_ids,
+    exit_rule: str,
 ) -> None:
     """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
     cfg, R = model.config, model.config.total_ut_steps
+    _check_exit_rule(exit_rule)
     if mode not in ("dense", "deferred"):
         raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
     if numerics not in NUMERICS:
@@ -773,6 +860,7 @@ def rollout(
     eos_id: int | None = None,
     kv: str = "exact",
     sequence_ids: list[int] | None = None,
+    exit_rule: str = "survival",
 ) -> Rollout:
     """Sample completions for a batch of prompts of different lengths; record everything.
 
@@ -805,9 +893,12 @@ def rollout(
 
     Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
     float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
-    by (seed, sequence_ids[b]) (default: b).
+    by (seed, sequence_ids[b]) (default: b). `exit_rule` names the rule that decides exits (EXIT_RULES);
+    the threshold is `exit_threshold`, else the config's (None there: every position exits at R).
     """
-    _check_rollout_args(model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids)
+    _check_rollout_args(
+        model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids, exit_rule
+    )
     R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
     threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
@@ -846,7 +937,7 @@ def rollout(
             for gi, i in enumerate(deciding):
                 b = rows[i][0]
                 gates[b].append(g[gi])
-                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops)
+                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops, exit_rule)
                 if e is not None:
                     exit_at[b] = e
                     call.readout.append(rows[i])
@@ -876,9 +967,10 @@ def rollout(
         exit_loops=exits,
         logprobs=logprobs,
         mask=mask,
-        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
+        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv, exit_rule),
         temperature=temperature,
         kv=kv,
+        exit_rule=exit_rule,
     )
 
 
@@ -893,12 +985,15 @@ def execute_schedule(
     calls: list[Call],
     numerics: str,
     on_call: Callable[[Call, torch.Tensor], None] | None = None,
+    on_readout: Callable[[Call, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
     Returns (B, N) log-probs of the recorded completion tokens, read out where the calls say (0 where
-    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there).
+    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there);
+    `on_readout(call, logp)` sees the whole (k, V) policy of the call's readout rows (the oracle's
+    sampler test reads it).
     """
     tokens = ro.tokens(model.device)  # (B, T)
     B, N = ro.mask.shape
@@ -913,6 +1008,8 @@ def execute_schedule(
         if not call.readout:
             continue
         logp = read_out(model, call, h, ro.temperature, numerics)  # (k, V)
+        if on_readout is not None:
+            on_readout(call, logp)
         b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (k,)
         p = torch.tensor([p for _, p in call.readout], device=model.device)  # (k,)
         k = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # completion index
@@ -1400,8 +1497,9 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
         kw.setdefault(key, value)
     if kw.get("num_key_value_heads") is None:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
-    if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
-        kw["early_exit_threshold"] = 1.0
+    # NOTE: no threshold (absent or null) stays None: HF then reads out the last loop, always. (Until issue
+    # 11 this became 1.0, which exits wherever a float32 CDF rounds to 1: a different policy.)
+    kw.setdefault("early_exit_threshold", None)
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
@@ -1885,6 +1983,7 @@ def evaluate(
     max_new_tokens: int = 16,
     batch_size: int = 100,
     min_loops: int = 1,
+    exit_rule: str = "survival",
 ) -> dict:
     """Greedy held-out accuracy (strict scorer) and the histogram of exit loops over generated tokens."""
     correct, hist = 0.0, [0] * model.config.total_ut_steps
@@ -1898,6 +1997,7 @@ def evaluate(
             temperature=0.0,
             eos_id=tok.eos_id,
             min_loops=min_loops,
+            exit_rule=exit_rule,
         )
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
             correct += gsm8k_score(tok.decode(c), p["answer"])
@@ -1987,6 +2087,10 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
 
 
+def _check_exit_rule_flag(args) -> None:
+    _want(args, "exit_rule", args.exit_rule in EXIT_RULES, f"one of {', '.join(EXIT_RULES)}")
+
+
 def _check_model_source(args) -> None:
     if getattr(args, "model", None):
         _check_path(args.model, "folder", "--model")
@@ -2018,6 +2122,7 @@ def check_train_flags(args) -> None:
     _real_flag(args, "epsilon_low", 0.0, 1.0, hi_open=True)  # the ratio's lower clip 1 - eps must stay > 0
     _real_flag(args, "epsilon_high", 0.0, 1000.0)
     _real_flag(args, "beta", 0.0)
+    _check_exit_rule_flag(args)
     _check_device(args)
     _check_model_source(args)
     if args.data:
@@ -2036,6 +2141,7 @@ def check_demo_flags(args) -> None:
     _int_flags(args, 1, 1000, "mu")
     _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
     _real_flag(args, "lr", 0.0, lo_open=True)
+    _check_exit_rule_flag(args)
     _check_path(args.config, "file", "--config")
     if args.out:
         _check_out(args.out, "folder")
@@ -2047,6 +2153,7 @@ def _check_model_flags(args) -> None:
     _int_flags(args, 0, MAX_SEED, "init_seed")
     _int_flags(args, 1, MAX_COUNT, "min_loops")
     _real_flag(args, "exit_threshold", -math.inf, optional=True)
+    _check_exit_rule_flag(args)
     _check_device(args)
 
 
@@ -2113,6 +2220,7 @@ class TrainConfig:
     max_new_tokens: int = _flag(16, "completion length limit")
     temperature: float = _flag(1.0, "sampling temperature")
     min_loops: int = _flag(1, "no position exits before this loop")
+    exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
@@ -2266,6 +2374,7 @@ def _train_step(
         eos_id=tok.eos_id,
         sequence_ids=gids,
         min_loops=cfg.min_loops,
+        exit_rule=cfg.exit_rule,
     )
     texts = [tok.decode(c) for c in ro.completions]
     rewards = torch.tensor([reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)])
@@ -2689,6 +2798,7 @@ def cmd_rollout(args) -> int:
         seed=args.seed,
         eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
         kv=args.kv,
+        exit_rule=args.exit_rule,
     )
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:  # never write a record no verifier could check
@@ -2962,6 +3072,7 @@ def cmd_demo(args) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         mode="deferred",
+        exit_rule=args.exit_rule,
         device="cpu",
         out=args.out,
         save_every=10**9,
@@ -2976,7 +3087,7 @@ def cmd_demo(args) -> int:
     before: dict = {}
 
     def on_start(model, tok):
-        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens))
+        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule))
         print(f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ({len(held_out)} problems)")
 
     try:
@@ -2984,7 +3095,7 @@ def cmd_demo(args) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
-    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens)
+    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule)
     print(f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f}")
     total = sum(after["exit_histogram"])
     print("exit loops of generated tokens (held-out, after GRPO):")
@@ -3049,6 +3160,12 @@ def _model_flags(p, dtype_default: str) -> None:
     p.add_argument("--kv", choices=KV_MODES, default="exact", help="KV semantics (last_exited: KV-copy engines)")
     p.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
     p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
+    p.add_argument(
+        "--exit-rule",
+        choices=EXIT_RULES,
+        default="survival",
+        help="exit rule: survival (SPEC §3) or hf (Hugging Face modeling_ouro's arithmetic, in the model dtype)",
+    )
 
 
 def build_parser():
@@ -3072,6 +3189,7 @@ def build_parser():
     d.add_argument("--problems", type=int, default=2000, help="training problems")
     d.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
     d.add_argument("--seed", type=int, default=0, help="seed of everything")
+    d.add_argument("--exit-rule", choices=EXIT_RULES, default="survival", help="exit rule (hf: modeling_ouro's)")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
     r = sub.add_parser(
