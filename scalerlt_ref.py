@@ -2176,9 +2176,15 @@ def check_rollout_flags(args) -> None:
 def check_verify_flags(args) -> None:
     """Every `verify` flag, before any work."""
     _check_model_flags(args)
-    _real_flag(args, "atol", 0.0)
-    _real_flag(args, "flip_margin", 0.0)
+    _want(args, "engine_dtype", args.engine_dtype in ENGINE_TOLERANCES, f"one of {', '.join(ENGINE_TOLERANCES)}")
+    _real_flag(args, "atol", 0.0, optional=True)
+    _real_flag(args, "flip_margin", 0.0, optional=True)
+    _real_flag(args, "sampler_alpha", 0.0, 1.0)
+    _int_flags(args, 1, MAX_COUNT, "batch_size")
+    _int_flags(args, 0, MAX_SEED, "seed")
     _check_path(args.rollouts, "file", "--rollouts")
+    if args.plot:
+        _check_out(args.plot, "file", "--plot")
 
 
 def check_bench_flags(args) -> None:
@@ -2603,153 +2609,564 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     return records
 
 
-def _check_reference_finite(model: LoopedLM, ro: Rollout, lp: torch.Tensor, gates: dict) -> None:
+# Engines are judged at their own precision. Per engine dtype, the defaults of --atol (the largest
+# accepted |recorded - reference| log-prob) and --flip-margin (the largest |CDF - threshold| at which an
+# exit-rule disagreement counts as rounding, a near-threshold flip, rather than a wrong depth). Measured
+# by sampling the reference itself in each dtype (fast numerics) and verifying against float64 (README,
+# "Checking a bfloat16 engine", has the commands and the table). The noise depends on the model: the
+# worst was tiny.json's random weights, which amplify one rounding step the most (bfloat16: |Δ log-prob|
+# up to 2.9 nats and disagreements up to 0.11 from the threshold over 12,000 tokens; 0.32 and 0.035 after
+# a short warm start; 0.015 and 0.008 on demo.json's random weights). The defaults cover that worst case
+# with room (~1.4-2x in bfloat16, 10x or more above), and the planted bugs of the README still fail there.
+ENGINE_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+ENGINE_TOLERANCES = {  # engine dtype: (atol, flip margin)
+    "float64": (1e-8, 1e-8),
+    "float32": (1e-3, 1e-3),
+    "bfloat16": (4.0, 0.2),
+    "float16": (1.0, 0.05),
+}
+RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(recorded - reference) is outside 1 ± x
+
+
+def records_rollout(recs: list[dict], kv: str = "exact", exit_rule: str = "survival") -> Rollout:
+    """Records (of one temperature) as one Rollout to teacher-force: B = len(recs), N the longest
+    completion; logprobs (B, N) float64 and mask (B, N) bool, padded; no schedule."""
+    N = max(len(r["completion_ids"]) for r in recs)
+    logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
+    mask = torch.zeros(len(recs), N, dtype=torch.bool)  # (B, N)
+    for b, r in enumerate(recs):
+        n = len(r["completion_ids"])
+        logprobs[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
+        mask[b, :n] = True
+    return Rollout(
+        prompts=[r["prompt_ids"] for r in recs],
+        completions=[r["completion_ids"] for r in recs],
+        exit_loops=[r["exit_loops"] for r in recs],
+        logprobs=logprobs,
+        mask=mask,
+        schedule=None,
+        temperature=recs[0]["temperature"],
+        kv=kv,
+        exit_rule=exit_rule,
+    )
+
+
+def _check_reference_finite(
+    model: LoopedLM, rec: dict, kv: str, lp: torch.Tensor, gates: torch.Tensor, ran: torch.Tensor
+) -> None:
     """Refuse to compare against a reference that is not a number (|NaN - x| > atol is False: NaN would
     pass). ValueError when the record's temperature caused it (the logits are finite at temperature 1),
-    NonFiniteError when the model did."""
-    plen = len(ro.prompts[0])
-    for k in range(lp.numel()):
-        g = torch.stack(gates[(0, plen - 1 + k)])  # (loops run,)
-        if not bool(torch.isfinite(g).all()):
-            raise NonFiniteError(
-                f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits are not finite"
-            )
+    NonFiniteError when the model did. lp (n,) the record's reference log-probs; gates (n, R) their gate
+    logits, of which the first ran (n,) were run."""
+    run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
+    bad_gate = (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist()
+    if bad_gate:
+        k = bad_gate[0]
+        raise NonFiniteError(
+            f"token {k}: the reference exit gate is {gates[k, : ran[k]].tolist()}: the model's gate logits "
+            "are not finite"
+        )
     bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
     if not bad:
         return
     k = bad[0]
-    if ro.temperature not in (0.0, 1.0):
+    if rec["temperature"] not in (0.0, 1.0):
+        ro = records_rollout([dict(rec, temperature=1.0)], kv)
         with torch.no_grad():
-            at_one = execute_schedule(
-                model,
-                dataclasses.replace(ro, temperature=1.0),
-                teacher_forced_schedule(ro, model.config.total_ut_steps),
-                "fast",
-            )[0]
+            at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
         if bool(torch.isfinite(at_one).all()):
             raise ValueError(
-                f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
+                f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow "
                 f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
             )
     raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
 
 
-def verify_record(
-    model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None, min_loops: int = 1
-) -> dict:
-    """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
-    recorded exit loop, and the exit rule at every producing position.
+def sampler_seed(seed: int, index: int) -> int:
+    """The seed of the sampler test's uniforms for sequence `index`.
 
-    Returns {"logprobs": (n,) recomputed, "diff": (n,) |recorded - recomputed|, "violations": list of
-    {"token", "recorded", "rule", "margin"}}; `margin` is CDF - threshold at the loop where the two
-    decisions part (tiny |margin|: a near-threshold flip; large: a wrong depth).
+    NOTE: a stream apart from the rollout's own (`sequence_seed`): a sampler's uniform lies inside the
+    interval of the token it picked, so reusing it would tie the PIT's uniform to the token, and the
+    values would not be uniform even for a perfect engine."""
+    return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def randomized_pit(logp: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The randomized probability integral transform of drawn tokens under a policy.
+
+    logp (k, V) the policy's log-probs, tokens (k,) long, uniforms (k,) float64 in [0, 1) -> (k,) float64:
+    u = F(before) + U * p(token), where the vocabulary is ordered by probability, highest first (ties by
+    id), and F(before) is the probability of the tokens ranked above. If the tokens are draws from this
+    policy, u ~ U(0, 1) exactly. The order makes the common faults visible: a lower temperature piles u
+    near 0, a higher one or another loop's logits spread it, top-p or top-k truncation empties the top.
     """
+    probs = logp.double().exp()  # (k, V)
+    probs = probs / probs.sum(1, keepdim=True)  # exp(log_softmax) sums to 1 only to rounding
+    ranked, order = probs.sort(dim=1, descending=True, stable=True)  # (k, V)
+    rank = (order == tokens[:, None]).to(torch.int64).argmax(1)  # (k,) the token's place in the order
+    above = (ranked.cumsum(1) - ranked).gather(1, rank[:, None])[:, 0]  # (k,) probability ranked above it
+    return (above + uniforms.to(probs.device) * probs.gather(1, tokens[:, None])[:, 0]).clamp(0.0, 1.0)
+
+
+def kolmogorov_sf(lam: float) -> float:
+    """P(K > lam) for the Kolmogorov distribution (the limit of sqrt(n) * D_n under the null)."""
+    if lam <= 0:
+        return 1.0
+    if lam < 1.18:  # the theta-function form converges fast here; the alternating series does not
+        s = sum(math.exp(-((2 * k - 1) ** 2) * math.pi**2 / (8 * lam * lam)) for k in range(1, 60))
+        return min(1.0, max(0.0, 1.0 - math.sqrt(2 * math.pi) / lam * s))
+    s = sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 60))
+    return min(1.0, max(0.0, 2.0 * s))
+
+
+def ks_uniform(values) -> tuple[float, float]:
+    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value).
+
+    D = sup |F_n(x) - x|; the p-value is the asymptotic Kolmogorov distribution at
+    (sqrt(n) + 0.12 + 0.11 / sqrt(n)) * D, Stephens' finite-n correction (within about 1% of the exact
+    p-value from n = 5 on, where p-values near 1e-3 matter). No scipy needed.
+    """
+    u = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values  # (n,)
+    n = u.numel()
+    if n == 0:
+        raise ValueError("the Kolmogorov-Smirnov test needs at least one value")
+    i = torch.arange(1, n + 1, dtype=torch.float64)  # (n,)
+    d = max(float((i / n - u).max()), float((u - (i - 1) / n).max()))
+    return d, kolmogorov_sf((math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d)
+
+
+def _exit_violation(
+    gates: torch.Tensor, recorded: int, rule_exit: int | None, R: int, tau: float | None, min_loops: int, rule: str
+) -> dict | None:
+    """None when the recorded exit loop is the rule's; else {"recorded", "rule", "margin"}.
+
+    `margin` is CDF - threshold at the first loop where the two decisions part (tiny |margin|: a
+    near-threshold flip; large: a wrong depth); None where no threshold could explain the difference
+    (no threshold in the config, or a recorded exit before min_loops)."""
+    if rule_exit == recorded:
+        return None
+    part = min(recorded, rule_exit if rule_exit is not None else R)  # the first loop where the decisions differ
+    margin = None
+    if tau is not None and part >= min_loops:
+        padded = torch.cat([gates, gates.new_zeros(R - gates.numel())])  # (R,) loops never run read as 0
+        margin = float(exit_margin(padded, R, tau, rule)[part - 1])
+    return {"recorded": recorded, "rule": rule_exit if rule_exit is not None else f">{gates.numel()}", "margin": margin}
+
+
+def _verify_batch(
+    model: LoopedLM,
+    recs: list[dict],
+    indices: list[int],
+    *,
+    kv: str,
+    tau: float | None,
+    min_loops: int,
+    exit_rule: str,
+    rule_dtype: torch.dtype | None,
+    seed: int,
+) -> list[dict]:
+    """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
     R = model.config.total_ut_steps
-    tau = model.config.early_exit_threshold if threshold is None else threshold
-    n = len(rec["completion_ids"])
-    if n == 0:  # nothing was generated: nothing to recompute (and no call to run)
-        return {
-            "logprobs": torch.zeros(0, dtype=torch.float64),
-            "diff": torch.zeros(0, dtype=torch.float64),
-            "violations": [],
-        }
-    ro = Rollout(
-        prompts=[rec["prompt_ids"]],
-        completions=[rec["completion_ids"]],
-        exit_loops=[rec["exit_loops"]],
-        logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
-        mask=torch.ones(1, n, dtype=torch.bool),
-        schedule=None,
-        temperature=rec["temperature"],
-        kv=kv,
-    )
-    producing = {(0, len(rec["prompt_ids"]) - 1 + k) for k in range(n)}  # the positions that sampled a token
-    gates: dict = {}  # {(0, position): [gate logit of each loop run]}
+    ro = records_rollout(recs, kv, exit_rule)
+    (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
+    first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
+    length = torch.tensor([len(c) for c in ro.completions])  # (B,)
+    gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # the gate logit of every loop run, per token
+    ran = torch.zeros(B, N, dtype=torch.long)  # loops run per token's position (R, except under last_exited)
+    policy = torch.full((B, N), math.nan, dtype=torch.float64)  # each token's PIT, or its greedy gap
+    uniforms = torch.zeros(B, N, dtype=torch.float64)  # one per token, from the sequence's own stream, so
+    for b, (i, n) in enumerate(zip(indices, length.tolist())):  # the results do not depend on the batch
+        uniforms[b, :n] = torch.rand(
+            n, generator=torch.Generator().manual_seed(sampler_seed(seed, i)), dtype=torch.float64
+        )
+    sampled = ro.temperature > 0
+
+    def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
+        whether that position produced a recorded token."""
+        b = torch.tensor([r[0] for r in rows], dtype=torch.long)  # (n,)
+        k = torch.tensor([r[1] for r in rows], dtype=torch.long) - first[b]  # (n,)
+        return b, k, (k >= 0) & (k < length[b])
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        idx = [i for i, rc in enumerate(call.rows) if rc in producing]
-        for i, gl in zip(idx, model.gate_logits(h[idx]) if idx else []):
-            gates.setdefault(call.rows[i], []).append(gl)
+        b, k, produces = token_index(call.rows)
+        if bool(produces.any()):
+            gates[b[produces], k[produces], call.loop - 1] = model.gate_logits(h[produces.to(h.device)]).cpu()
+            ran[b[produces], k[produces]] = call.loop
+
+    def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
+        b, k, _ = token_index(call.readout)
+        tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
+        if sampled:
+            policy[b, k] = randomized_pit(logp, tok, uniforms[b, k]).cpu()
+        else:  # greedy: how far below the reference's best the recorded token is (0: an argmax, ties too)
+            lp = logp.double()
+            policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates)[0].cpu().double()
-    _check_reference_finite(model, ro, lp, gates)
-    diff = (lp - ro.logprobs[0]).abs()
-    violations = []
-    for k, e in enumerate(rec["exit_loops"]):
-        g = torch.stack(gates[(0, len(rec["prompt_ids"]) - 1 + k)])  # (loops run,)
-        rule = exit_loop(g, R, tau, min_loops)
-        if rule != e:
-            margins = exit_margin(torch.cat([g, g.new_zeros(R - g.numel())]), R, tau)  # (R,)
-            part = min(e, rule if rule is not None else R)  # the first loop where the decisions differ
-            violations.append(
-                {
-                    "token": k,
-                    "recorded": e,
-                    "rule": rule if rule is not None else f">{g.numel()}",
-                    "margin": float(margins[part - 1]),
-                }
+        lp_all = execute_schedule(
+            model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy
+        ).cpu()  # (B, N)
+    # The rule at every producing position at once, positions grouped by the loops they ran (all R, except
+    # under kv="last_exited"). It runs on the reference's gates rounded to the engine's dtype: an engine
+    # decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
+    rule_gates = gates.to(rule_dtype or model.dtype)  # (B, N, R)
+    rule_exits = torch.full((B, N), -1, dtype=torch.long)  # -1: undecided by the loops run
+    for j in sorted(set(ran[ro.mask].tolist())):
+        sel = ro.mask & (ran == j)  # (B, N)
+        decided = exit_loops(rule_gates[sel][:, :j], R, tau, min_loops, exit_rule)
+        rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+    results = []
+    for b, (i, rec) in enumerate(zip(indices, recs)):
+        n = len(rec["completion_ids"])
+        lp = lp_all[b, :n].double()  # (n,)
+        try:
+            _check_reference_finite(model, rec, kv, lp, gates[b, :n], ran[b, :n])
+        except (ValueError, NonFiniteError) as err:
+            err.index = i  # which record: the command names its file line
+            raise
+        delta = ro.logprobs[b, :n] - lp  # (n,) recorded - reference
+        exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
+        violations = []
+        for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], exits)):
+            if e != rule_e:
+                g = rule_gates[b, k, : ran[b, k]]  # (loops run,)
+                violations.append({"token": k, **_exit_violation(g, e, rule_e, R, tau, min_loops, exit_rule)})
+        results.append(
+            {
+                "logprobs": lp,
+                "delta": delta,
+                "diff": delta.abs(),
+                "violations": violations,
+                "rule_exits": exits,
+                "pit": policy[b, :n] if sampled else None,
+                "greedy_gap": None if sampled else policy[b, :n],
+            }
+        )
+    return results
+
+
+def verify_records(
+    model: LoopedLM,
+    recs: list[dict],
+    *,
+    kv: str = "exact",
+    threshold: float | None = None,
+    min_loops: int = 1,
+    exit_rule: str = "survival",
+    rule_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    batch_size: int = 16,
+    first_index: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[dict]:
+    """Recompute records teacher-forced (in the model's dtype), `batch_size` sequences per pass (records
+    of the same temperature together; per-sequence results do not depend on the grouping beyond rounding):
+    every token's log-prob at its recorded exit loop, the exit rule at every producing position, and the
+    reference policy at that loop for the sampler test.
+
+    Returns, per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded - recomputed; "diff"
+    (n,) |delta|; "rule_exits" the rule's exit loop per token (None: undecided by the loops run);
+    "violations" every disagreement, {"token", "recorded", "rule", "margin"} (see `_exit_check`);
+    "pit" (n,) the randomized PIT of each token (temperature > 0, else None; uniforms from
+    `sampler_seed(seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the token's (temperature 0,
+    else None). The rule is evaluated on the reference's gates rounded to `rule_dtype` (the engine's dtype;
+    default the model's). `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the
+    failing record's index in `recs` as `.index`.
+    """
+    _check_exit_rule(exit_rule)
+    tau = model.config.early_exit_threshold if threshold is None else threshold
+    results: list = [None] * len(recs)
+    groups: dict[float, list[int]] = {}  # temperature -> record indices (one temperature per pass)
+    for i, rec in enumerate(recs):
+        if rec["completion_ids"]:
+            groups.setdefault(float(rec["temperature"]), []).append(i)
+        else:  # nothing was generated: nothing to recompute
+            empty = torch.zeros(0, dtype=torch.float64)
+            sampled = rec["temperature"] > 0
+            results[i] = {
+                "logprobs": empty,
+                "delta": empty,
+                "diff": empty,
+                "violations": [],
+                "rule_exits": [],
+                "pit": empty if sampled else None,
+                "greedy_gap": None if sampled else empty,
+            }
+    done = len(recs) - sum(map(len, groups.values()))
+    for idx in groups.values():
+        for c in range(0, len(idx), batch_size):
+            chunk = idx[c : c + batch_size]
+            batch = _verify_batch(
+                model,
+                [recs[i] for i in chunk],
+                [first_index + i for i in chunk],
+                kv=kv,
+                tau=tau,
+                min_loops=min_loops,
+                exit_rule=exit_rule,
+                rule_dtype=rule_dtype,
+                seed=seed,
             )
-    return {"logprobs": lp, "diff": diff, "violations": violations}
+            for i, res in zip(chunk, batch):
+                results[i] = res
+            done += len(chunk)
+            if on_batch is not None:
+                on_batch(done)
+    return results
 
 
-def cmd_verify(args) -> int:
-    """Exit 0: all within tolerance; 1: mismatches or exit-rule violations; 2: bad input."""
-    dtype = DTYPES[args.dtype]
-    try:
-        check_verify_flags(args)
-        model = _load_model_arg(args, dtype)
-        records = read_records(args.rollouts, model.config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    summary = {
+def verify_record(
+    model: LoopedLM,
+    rec: dict,
+    *,
+    kv: str = "exact",
+    threshold: float | None = None,
+    min_loops: int = 1,
+    exit_rule: str = "survival",
+    rule_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    index: int = 0,
+) -> dict:
+    """`verify_records` for one record (`index`: its place in its file, which seeds its sampler test)."""
+    return verify_records(
+        model,
+        [rec],
+        kv=kv,
+        threshold=threshold,
+        min_loops=min_loops,
+        exit_rule=exit_rule,
+        rule_dtype=rule_dtype,
+        seed=seed,
+        first_index=index,
+    )[0]
+
+
+def _quantile(sorted_values: torch.Tensor, q: float) -> float:
+    """The q-quantile of sorted values, interpolated linearly (numpy's default)."""
+    pos = q * (sorted_values.numel() - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, sorted_values.numel() - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def verify_summary(
+    records: list[dict], results: list[dict], *, atol: float, flip_margin: float, sampler_alpha: float
+) -> dict:
+    """The verdict and the statistics of `verify`, as the JSON summary (see README, "Checking a bfloat16
+    engine", for what each number means). "passed" is the exit status: no log-prob beyond atol, no
+    exit-rule disagreement beyond the flip margin, a sampler test above alpha, greedy tokens at the argmax.
+    """
+    delta = torch.cat([r["delta"] for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    diff = delta.abs()
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    s = {
         "sequences": len(records),
-        "tokens": 0,
-        "max_abs_diff": 0.0,
-        "mismatched_tokens": 0,
+        "tokens": int(diff.numel()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mismatched_tokens": int((~(diff <= atol)).sum()),  # NOTE: written so that NaN counts as a mismatch
         "exit_rule_violations": 0,
         "first_mismatch": None,
+        "near_threshold_flips": 0,
+        "first_violation": None,
+        "exit_agreement": None,
+        "abs_diff_quantiles": None,
+        "max_abs_diff_by_exit_loop": {},
+        "ratio_outside": {},
+        "sampler_tokens": 0,
+        "sampler_ks_statistic": None,
+        "sampler_p_value": None,
+        "greedy_tokens": 0,
+        "greedy_mismatches": 0,
+        "atol": atol,
+        "flip_margin": flip_margin,
+        "sampler_alpha": sampler_alpha,
     }
-    print(
-        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype}, kv={args.kv}, atol={args.atol})"
-    )
-    for i, rec in enumerate(records):
-        try:
-            res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
-        except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
-            print(f"error: {args.rollouts}:{rec['line']}: sequence {i}, {e}", file=sys.stderr)
-            return 2 if isinstance(e, ValueError) else 1
-        bad = (~(res["diff"] <= args.atol)).nonzero()[:, 0].tolist()  # NOTE: written so that NaN fails
-        summary["tokens"] += len(rec["completion_ids"])
-        summary["max_abs_diff"] = max(summary["max_abs_diff"], float(res["diff"].max()) if len(res["diff"]) else 0.0)
-        summary["mismatched_tokens"] += len(bad)
-        summary["exit_rule_violations"] += len(res["violations"])
-        if bad and summary["first_mismatch"] is None:
+    agree = 0
+    for i, (rec, res) in enumerate(zip(records, results)):
+        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
+        if bad and s["first_mismatch"] is None:
             k = bad[0]
-            summary["first_mismatch"] = {
+            s["first_mismatch"] = {
                 "sequence": i,
                 "token": k,
                 "expected": float(res["logprobs"][k]),
                 "got": float(rec["logprobs"][k]),
             }
-        status = "ok" if not bad and not res["violations"] else "MISMATCH"
+        agree += len(rec["exit_loops"]) - len(res["violations"])
+        for v in res["violations"]:
+            if v["margin"] is not None and abs(v["margin"]) <= flip_margin:
+                s["near_threshold_flips"] += 1
+                continue
+            s["exit_rule_violations"] += 1
+            if s["first_violation"] is None:
+                s["first_violation"] = {"sequence": i, **v}
+        if res["greedy_gap"] is not None:
+            s["greedy_tokens"] += res["greedy_gap"].numel()
+            # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
+            s["greedy_mismatches"] += int((~(res["greedy_gap"] <= 2 * atol)).sum())
+    if diff.numel():
+        ranked = diff.sort().values
+        s["exit_agreement"] = agree / diff.numel()
+        s["abs_diff_quantiles"] = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)}
+        s["abs_diff_quantiles"]["max"] = float(ranked[-1])
+        s["max_abs_diff_by_exit_loop"] = {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))}
+        ratio = delta.exp()
+        s["ratio_outside"] = {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS}
+    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
+    if pit.numel():
+        s["sampler_tokens"] = int(pit.numel())
+        s["sampler_ks_statistic"], s["sampler_p_value"] = ks_uniform(pit)
+    s["passed"] = (
+        s["mismatched_tokens"] == 0
+        and s["exit_rule_violations"] == 0
+        and s["greedy_mismatches"] == 0
+        and not (s["sampler_p_value"] is not None and s["sampler_p_value"] < sampler_alpha)
+    )
+    return s
+
+
+def _print_failures(records: list[dict], results: list[dict], summary: dict, limit: int = 20) -> None:
+    """A line per failing sequence (the first `limit`), with its first few bad tokens."""
+    atol, flip, shown = summary["atol"], summary["flip_margin"], 0
+    for i, (rec, res) in enumerate(zip(records, results)):
+        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
+        wrong = [v for v in res["violations"] if v["margin"] is None or abs(v["margin"]) > flip]
+        greedy = [] if res["greedy_gap"] is None else (~(res["greedy_gap"] <= 2 * atol)).nonzero()[:, 0].tolist()
+        if not (bad or wrong or greedy):
+            continue
+        shown += 1
+        if shown > limit:
+            print(f"  ... and more failing sequences (the first {limit} are shown)")
+            return
+        flips = len(res["violations"]) - len(wrong)
         print(
-            f"  seq {i} (line {rec['line']}): {len(rec['completion_ids'])} tokens, max |diff| "
-            f"{float(res['diff'].max()) if len(res['diff']) else 0.0:.3e}, {len(bad)} over atol, "
-            f"{len(res['violations'])} exit-rule violations  {status}"
+            f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
+            f"{float(res['diff'].max()):.3e}, {len(bad)} over atol, {len(wrong)} exit-rule violations "
+            f"({flips} near-threshold flips), {len(greedy)} greedy tokens not the argmax  MISMATCH"
         )
         for k in bad[:3]:
             print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res['logprobs'][k]):.6f}")
-        for v in res["violations"][:3]:
-            kind = "near-threshold flip" if abs(v["margin"]) < args.flip_margin else "wrong depth"
-            print(
-                f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} "
-                f"(CDF - threshold = {v['margin']:+.2e}: {kind})"
-            )
+        for v in wrong[:3]:
+            m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
+            print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
+        for k in greedy[:3]:
+            gap = float(res["greedy_gap"][k])
+            print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
+
+
+def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: dict, R: int) -> None:
+    """|Δ log-prob| per token (log scale) coloured by exit loop, and the sampler test's histogram."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
+    diff = torch.cat([r["diff"] for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
+    x = torch.arange(diff.numel())
+    cmap = plt.get_cmap("viridis", max(R, 2))
+    for r in range(1, R + 1):
+        sel = exits == r
+        if bool(sel.any()):
+            ax.scatter(x[sel], diff[sel], s=4, color=cmap(r - 1), label=f"exit loop {r}")
+    ax.axhline(summary["atol"], ls="--", c="r", lw=1, label=f"atol {summary['atol']:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("token (records in file order)")
+    ax.set_ylabel("|recorded - reference| log-prob")
+    ax.legend(fontsize=7, markerscale=3)
+    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
+    if pit.numel():
+        hx.hist(pit.numpy(), bins=20, range=(0, 1), density=True, alpha=0.7)
+        hx.axhline(1.0, c="k", lw=1, label="U(0, 1)")
+        hx.set_title(f"sampler test: {pit.numel()} tokens, KS p = {summary['sampler_p_value']:.3g}", fontsize=9)
+        hx.legend(fontsize=7)
+    else:
+        hx.text(0.5, 0.5, "no sampled (temperature > 0) records", ha="center", va="center")
+    hx.set_xlabel("randomized PIT under the reference policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def cmd_verify(args) -> int:
+    """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
+    try:
+        check_verify_flags(args)
+        model = _load_model_arg(args, DTYPES[args.dtype])
+        records = read_records(args.rollouts, model.config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    atol, flip = ENGINE_TOLERANCES[args.engine_dtype]
+    atol = atol if args.atol is None else args.atol
+    flip = flip if args.flip_margin is None else args.flip_margin
+    print(
+        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
+        f"({args.dtype} reference; engine {args.engine_dtype}: atol={atol:g}, flip margin={flip:g}; "
+        f"exit rule {args.exit_rule}, kv={args.kv})"
+    )
+    t0 = time.time()
+    shown = [t0]
+
+    def progress(done: int) -> None:
+        now = time.time()
+        if now - shown[0] >= 2.0 or done == len(records):
+            print(f"  {done}/{len(records)} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
+            shown[0] = now
+
+    try:
+        results = verify_records(
+            model,
+            records,
+            kv=args.kv,
+            threshold=args.exit_threshold,
+            min_loops=args.min_loops,
+            exit_rule=args.exit_rule,
+            rule_dtype=ENGINE_DTYPES[args.engine_dtype],
+            seed=args.seed,
+            batch_size=args.batch_size,
+            on_batch=progress,
+        )
+    except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
+        i = getattr(e, "index", 0)
+        print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    seconds = time.time() - t0
+    summary = verify_summary(records, results, atol=atol, flip_margin=flip, sampler_alpha=args.sampler_alpha)
+    summary.update(
+        engine_dtype=args.engine_dtype,
+        exit_rule=args.exit_rule,
+        seconds=round(seconds, 3),
+        sequences_per_second=round(len(records) / max(seconds, 1e-9), 1),
+    )
+    _print_failures(records, results, summary)
+    if summary["near_threshold_flips"]:
+        print(
+            f"  {summary['near_threshold_flips']} near-threshold exit flips "
+            f"(|CDF - threshold| <= {flip:g}): not failures"
+        )
+    if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < args.sampler_alpha:
+        print(
+            f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
+            f"(KS p = {summary['sampler_p_value']:.2e} < {args.sampler_alpha:g})"
+        )
+    if args.plot:
+        _plot_verify(Path(args.plot), records, results, summary, model.config.total_ut_steps)
+    passed = summary.pop("passed")
     print(json.dumps(summary))
-    return 0 if summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0 else 1
+    return 0 if passed else 1
 
 
 def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
@@ -3218,13 +3635,31 @@ def build_parser():
     )
     _model_flags(v, "float64")
     v.add_argument("--rollouts", required=True, help="records JSONL (see README: Checking your engine)")
-    v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
+    v.add_argument(
+        "--engine-dtype",
+        choices=tuple(ENGINE_TOLERANCES),
+        default="float32",
+        help="the dtype the engine computed in: sets the defaults of --atol and --flip-margin "
+        f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
+        "which the exit rule is evaluated on the reference's gates",
+    )
+    v.add_argument("--atol", type=float, help="largest accepted |log-prob difference| (default: --engine-dtype's)")
     v.add_argument(
         "--flip-margin",
         type=float,
-        default=1e-3,
-        help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip",
+        help="an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
+        "failure (default: --engine-dtype's)",
     )
+    v.add_argument(
+        "--sampler-alpha",
+        type=float,
+        default=1e-3,
+        help="fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) "
+        "is below this",
+    )
+    v.add_argument("--seed", type=int, default=0, help="seed of the sampler test's uniforms")
+    v.add_argument("--batch-size", type=int, default=16, help="sequences per teacher-forced pass")
+    v.add_argument("--plot", help="write a PNG: |log-prob difference| per token, and the sampler test's histogram")
     bp = sub.add_parser(
         "bench",
         formatter_class=HELP,
