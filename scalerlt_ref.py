@@ -48,7 +48,16 @@ What the tests (test_ref.py) prove, each with its test:
 - deferral does the work it claims: `test_each_loop_of_each_position_computed_once_in_order`,
   `test_deferred_never_does_more_work_than_dense`, `test_deferred_step_makes_e_new_calls`;
 - GRPO's pieces are hand-checked: `test_group_advantages_hand_computed`,
-  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`.
+  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`;
+- exit rules are data: the "hf" rule is Hugging Face modeling_ouro.py's arithmetic bit for bit (float32
+  and bfloat16): `test_hf_rule_is_hf_arithmetic_bitwise`; both rules decide loop by loop:
+  `test_both_rules_decide_after_each_loop`; replay stays bitwise under both:
+  `test_replay_is_bitwise_under_both_rules`; no threshold exits at R: `test_no_threshold_means_exit_at_R`;
+- the oracle for real engines: the sampler test raises no false alarm on the reference's own rollouts
+  and catches a wrong temperature: `test_sampler_test_accepts_the_reference_own_rollouts`,
+  `test_sampler_test_flags_a_temperature_mismatch`; batching changes no result:
+  `test_verify_batched_equals_one_at_a_time`; the reference's own bfloat16 rollouts pass at their
+  precision: `test_verify_bfloat16_rollouts_of_the_reference`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
