@@ -3652,12 +3652,12 @@ def build_parser():
         f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
         "which the exit rule is evaluated on the reference's gates",
     )
-    v.add_argument("--atol", type=float, help="largest accepted |log-prob difference| (default: --engine-dtype's)")
+    v.add_argument("--atol", type=float, help="largest accepted |log-prob difference| (None: --engine-dtype's)")
     v.add_argument(
         "--flip-margin",
         type=float,
         help="an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
-        "failure (default: --engine-dtype's)",
+        "failure (None: --engine-dtype's)",
     )
     v.add_argument(
         "--sampler-alpha",
