@@ -57,6 +57,15 @@ What the tests (test_ref.py) prove, each with its test:
 - a run killed and resumed continues bit for bit: `test_resumed_run_equals_uninterrupted`;
 - bad input is a one-line error, never a traceback: `test_fuzzed_bad_records_exit_2_naming_file_and_line`,
   `test_fuzzed_bad_configs_exit_2_naming_file_and_key`, `test_bad_flag_refused_before_any_work`.
+- exit rules are data: the "hf" rule is Hugging Face modeling_ouro.py's arithmetic bit for bit (float32
+  and bfloat16): `test_hf_rule_is_hf_arithmetic_bitwise`; both rules decide loop by loop:
+  `test_both_rules_decide_after_each_loop`; replay stays bitwise under both:
+  `test_replay_is_bitwise_under_both_rules`; no threshold exits at R: `test_no_threshold_means_exit_at_R`;
+- the oracle for real engines: the sampler test raises no false alarm on the reference's own rollouts
+  and catches a wrong temperature: `test_sampler_test_accepts_the_reference_own_rollouts`,
+  `test_sampler_test_flags_a_temperature_mismatch`; batching changes no result:
+  `test_verify_batched_equals_one_at_a_time`; the reference's own bfloat16 rollouts pass at their
+  precision: `test_verify_bfloat16_rollouts_of_the_reference`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
@@ -122,7 +131,7 @@ class Config:
     num_key_value_heads: int = 2  # KVH; H must be a multiple of KVH (GQA when KVH < H)
     head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
     total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro's code)
-    early_exit_threshold: float = 1.0  # exit at the first loop whose exit CDF reaches this
+    early_exit_threshold: float | None = 1.0  # exit at the first loop whose exit CDF reaches this; None: at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
@@ -139,6 +148,8 @@ class Config:
                 raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
             if f.type == "float" and not _is_finite_number(v):
                 raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
+            if f.type == "float | None" and v is not None and not _is_finite_number(v):
+                raise ValueError(f"config key {f.name!r} must be a finite number or null, got {v!r}")
             if f.type == "bool" and not isinstance(v, bool):
                 raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
             if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
@@ -172,10 +183,6 @@ class Config:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
-        if self.early_exit_threshold is None or not math.isfinite(self.early_exit_threshold):
-            raise ValueError(
-                f"config key 'early_exit_threshold' must be a finite number, got {self.early_exit_threshold}"
-            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
@@ -451,38 +458,121 @@ class LoopedLM(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 
 
-def exit_cdf(gate_logits: torch.Tensor, R: int) -> list[float]:
-    """CDF_j = 1 - prod_{i<=j}(1 - lambda_i) for the first j <= R loops given (CDF_R = 1), as floats.
+# Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the
+# replay and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's).
+# "survival" is SPEC §3's rule; "hf" is Hugging Face modeling_ouro.py's arithmetic, which an engine derived
+# from it computes, and which differs from "survival" in bfloat16 (README, "Checking a bfloat16 engine").
+EXIT_RULES = ("survival", "hf")
 
-    lambda_j = sigmoid(gate_j) in float32 (float64 for a float64 model), one element at a time.
+
+def _check_exit_rule(rule: str) -> None:
+    if rule not in EXIT_RULES:
+        raise ValueError(f"exit rule must be one of {EXIT_RULES}, got {rule!r}")
+
+
+def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
+    """SPEC §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
+
+    CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda in float32 (float64 for a float64 model); CDF_R = 1.
     """
     acc = acc_dtype(gate_logits.dtype)
-    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (j,)
-    remaining = torch.tensor(1.0, dtype=acc)  # prod (1 - lambda): the probability of not having exited
+    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (..., j)
+    remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lambda): not exited yet
     cdf = []
-    for j in range(1, lam.numel() + 1):
-        remaining = remaining * (1 - lam[j - 1])
-        cdf.append(1.0 if j == R else float(1 - remaining))
-    return cdf
+    for j in range(1, lam.shape[-1] + 1):
+        remaining = remaining * (1 - lam[..., j - 1])
+        cdf.append(torch.ones_like(remaining, dtype=torch.float64) if j == R else (1 - remaining).double())
+    return torch.stack(cdf, dim=-1) if cdf else lam.double()
 
 
-def exit_loop(gate_logits: torch.Tensor, R: int, threshold: float, min_loops: int = 1) -> int | None:
-    """The exit rule for one position (SPEC §3), given the gate logits of its first j <= R loops.
+def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
+    """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
+
+    lambda_i = sigmoid(gate_i); p_i = lambda_i * remaining and remaining *= 1 - lambda_i for i < R,
+    p_R = remaining; CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
+    NOTE: three traps, each measured on this CPU build of torch. (1) bfloat16 cumsum accumulates in
+    float32 and rounds only its outputs (rounding every partial sum gave other bits at 33% of random
+    4-loop positions), so this calls torch.cumsum rather than adding in a loop. (2) HF's sigmoid runs on
+    one loop's gates of all positions at once; in float32 and float64 torch's vector kernel gives some
+    elements other bits than its scalar path (the tail of a call under 32 floats, or a lone element). We
+    take the scalar path for every element (`sigmoid_elementwise`): HF's bits whenever its call has
+    fewer than 32 gates (decoding fewer than 32 sequences), and independent of how the reference
+    batches; otherwise at most an ulp of lambda apart. bfloat16 showed no difference between the paths.
+    (3) p_1..p_j do not depend on loops after j (p_R only on earlier ones), and the cumsum runs in order,
+    so a prefix of gates gives a prefix of the CDF: the rule can decide after every loop.
+    """
+    lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
+    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
+    pdf = []
+    for i in range(lam.shape[-1]):  # loop i + 1
+        if i < R - 1:
+            pdf.append(lam[..., i] * remaining)
+            remaining = remaining * (1.0 - lam[..., i])
+        else:
+            pdf.append(remaining)  # the last loop takes what is left
+    return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1) if pdf else lam.clone()
+
+
+def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
+    """The exit CDF of one position after each of its first j <= R loops: (j,) gates -> j floats.
+
+    "survival": CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda_j = sigmoid(gate_j) in float32 (float64 for
+    a float64 model), one element at a time; CDF_R = 1. "hf": HF's cumsum of its exit pdf in the gates'
+    dtype (`_hf_cdf`), whose last value need not be exactly 1.
+    """
+    _check_exit_rule(rule)
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
+    return [float(c) for c in cdf]
+
+
+def exit_loops(
+    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+) -> list[int | None]:
+    """The exit rule (SPEC §3) for P positions at once, given the gate logits of their first j <= R loops:
+    gate_logits (P, j) -> P exit loops, each None while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= threshold (R when none: a threshold above 1
-    always runs all loops). Returns None while loops 1..j do not decide: the rollout asks after every loop.
-    NOTE: the comparison is exact: the CDF widened to float64 against the threshold as given (a
-    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early).
+    always runs all loops); threshold None (a config without one) always exits at R, as HF reads out the
+    last loop. Every operation is elementwise across positions, so a position's decision has the same
+    bits alone (`exit_loop`, what the rollout asks after every loop) as among others (the oracle).
+    NOTE: "survival" compares exactly: the CDF widened to float64 against the threshold as given (a
+    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf"
+    compares as HF does, a model-dtype tensor against a Python float, and torch first rounds the threshold
+    to the tensor's dtype: in bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
     """
-    for r, cdf in enumerate(exit_cdf(gate_logits, R), 1):
-        if r >= min_loops and (r == R or cdf >= threshold):
-            return r
-    return None
+    _check_exit_rule(rule)
+    P, j = gate_logits.shape
+    if threshold is None or j == 0:
+        return [R if j >= R else None] * P
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (P, j)
+    hit = cdf >= threshold  # (P, j) bool; for "hf" this is HF's own comparison
+    hit[:, : min_loops - 1] = False  # no exit before min_loops
+    if j == R:
+        hit[:, R - 1] = True  # the last loop always exits
+    first = hit.to(torch.int64).argmax(dim=1)  # (P,) the first loop that exits, 0-based
+    return [int(f) + 1 if bool(h) else None for f, h in zip(first, hit.any(dim=1))]
 
 
-def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float) -> torch.Tensor:
-    """CDF_r - threshold for r = 1..R (R values, CDF_R = 1), in float64: how far each loop was from exiting."""
-    return torch.tensor(exit_cdf(gate_logits, R), dtype=torch.float64) - threshold
+def exit_loop(
+    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+) -> int | None:
+    """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
+    while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for P = 1."""
+    return exit_loops(gate_logits[None], R, threshold, min_loops, rule)[0]
+
+
+def exit_threshold_as_compared(threshold: float, dtype: torch.dtype, rule: str = "survival") -> float:
+    """The threshold a rule's comparison really uses: as given ("survival"), or rounded to the gates'
+    dtype the way torch rounds a Python float compared with a tensor ("hf")."""
+    _check_exit_rule(rule)
+    return threshold if rule == "survival" else float(torch.tensor(threshold, dtype=torch.float64).to(dtype))
+
+
+def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float, rule: str = "survival") -> torch.Tensor:
+    """CDF_r - threshold for r = 1..R (R gates in, R values out), in float64: how far each loop was from
+    exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
+    cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
+    return cdf - exit_threshold_as_compared(threshold, gate_logits.dtype, rule)
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
@@ -556,6 +646,7 @@ class Schedule:
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
     kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
+    exit_rule: str = "survival"  # the rule that decided the exits: "survival" | "hf" (EXIT_RULES)
 
     def to_json(self) -> str:
         calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
@@ -566,6 +657,7 @@ class Schedule:
                 "dtype": self.dtype,
                 "loops": self.loops,
                 "kv": self.kv,
+                "exit_rule": self.exit_rule,
                 "calls": calls,
             }
         )
@@ -574,7 +666,8 @@ class Schedule:
     def from_json(cls, text: str) -> "Schedule":
         d = json.loads(text)
         calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
-        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], d.get("kv", "exact"))
+        kv, rule = d.get("kv", "exact"), d.get("exit_rule", "survival")  # schedules written before these keys
+        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], kv, rule)
 
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
@@ -718,6 +811,7 @@ class Rollout:
     schedule: Schedule
     temperature: float = 1.0
     kv: str = "exact"
+    exit_rule: str = "survival"  # the rule that decided exit_loops; replay and learner never re-decide
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -738,9 +832,11 @@ def _check_rollout_args(
     max_new_tokens: int,
     temperature: float,
     sequence_ids,
+    exit_rule: str,
 ) -> None:
     """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
     cfg, R = model.config, model.config.total_ut_steps
+    _check_exit_rule(exit_rule)
     if mode not in ("dense", "deferred"):
         raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
     if numerics not in NUMERICS:
@@ -785,6 +881,7 @@ def rollout(
     eos_id: int | None = None,
     kv: str = "exact",
     sequence_ids: list[int] | None = None,
+    exit_rule: str = "survival",
 ) -> Rollout:
     """Sample completions for a batch of prompts of different lengths; record everything.
 
@@ -817,9 +914,12 @@ def rollout(
 
     Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
     float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
-    by (seed, sequence_ids[b]) (default: b).
+    by (seed, sequence_ids[b]) (default: b). `exit_rule` names the rule that decides exits (EXIT_RULES);
+    the threshold is `exit_threshold`, else the config's (None there: every position exits at R).
     """
-    _check_rollout_args(model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids)
+    _check_rollout_args(
+        model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids, exit_rule
+    )
     R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
     threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
@@ -858,7 +958,7 @@ def rollout(
             for gi, i in enumerate(deciding):
                 b = rows[i][0]
                 gates[b].append(g[gi])
-                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops)
+                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops, exit_rule)
                 if e is not None:
                     exit_at[b] = e
                     call.readout.append(rows[i])
@@ -888,9 +988,10 @@ def rollout(
         exit_loops=exits,
         logprobs=logprobs,
         mask=mask,
-        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv),
+        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv, exit_rule),
         temperature=temperature,
         kv=kv,
+        exit_rule=exit_rule,
     )
 
 
@@ -905,12 +1006,15 @@ def execute_schedule(
     calls: list[Call],
     numerics: str,
     on_call: Callable[[Call, torch.Tensor], None] | None = None,
+    on_readout: Callable[[Call, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
     Returns (B, N) log-probs of the recorded completion tokens, read out where the calls say (0 where
-    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there).
+    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there);
+    `on_readout(call, logp)` sees the whole (k, V) policy of the call's readout rows (the oracle's
+    sampler test reads it).
     """
     tokens = ro.tokens(model.device)  # (B, T)
     B, N = ro.mask.shape
@@ -925,11 +1029,11 @@ def execute_schedule(
         if not call.readout:
             continue
         logp = read_out(model, call, h, ro.temperature, numerics)  # (n_out, V)
+        if on_readout is not None:
+            on_readout(call, logp)
         b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
         p = torch.tensor([p for _, p in call.readout], device=model.device)  # (n_out,)
-        tok_index = p - torch.tensor(
-            [prompt_lens[i] - 1 for i in b.tolist()], device=model.device
-        )  # (n_out,) in 0..N-1
+        tok_index = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # in 0..N-1
         out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
         kv_after_readout(ro.kv, cache, call, prompt_lens)
     return out
@@ -1414,8 +1518,9 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
         kw.setdefault(key, value)
     if kw.get("num_key_value_heads") is None:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
-    if kw.get("early_exit_threshold") is None:  # HF's default; a CDF rounding to 1 still exits
-        kw["early_exit_threshold"] = 1.0
+    # NOTE: no threshold (absent or null) stays None: HF then reads out the last loop, always. (Until issue
+    # 11 this became 1.0, which exits wherever a float32 CDF rounds to 1: a different policy.)
+    kw.setdefault("early_exit_threshold", None)
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
@@ -1899,6 +2004,7 @@ def evaluate(
     max_new_tokens: int = 16,
     batch_size: int = 100,
     min_loops: int = 1,
+    exit_rule: str = "survival",
 ) -> dict:
     """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, and the
     histogram of exit loops over generated tokens."""
@@ -1913,6 +2019,7 @@ def evaluate(
             temperature=0.0,
             eos_id=tok.eos_id,
             min_loops=min_loops,
+            exit_rule=exit_rule,
         )
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
             correct.append(gsm8k_score(tok.decode(c), p["answer"]))
@@ -2016,6 +2123,10 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
 
 
+def _check_exit_rule_flag(args) -> None:
+    _want(args, "exit_rule", args.exit_rule in EXIT_RULES, f"one of {', '.join(EXIT_RULES)}")
+
+
 def _check_model_source(args) -> None:
     if getattr(args, "model", None):
         _check_path(args.model, "folder", "--model")
@@ -2047,6 +2158,7 @@ def check_train_flags(args) -> None:
     _real_flag(args, "epsilon_low", 0.0, 1.0, hi_open=True)  # the ratio's lower clip 1 - eps must stay > 0
     _real_flag(args, "epsilon_high", 0.0, 1000.0)
     _real_flag(args, "beta", 0.0)
+    _check_exit_rule_flag(args)
     _check_device(args)
     _check_model_source(args)
     if args.data:
@@ -2065,6 +2177,7 @@ def check_demo_flags(args) -> None:
     _int_flags(args, 1, 1000, "mu")
     _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
     _real_flag(args, "lr", 0.0, lo_open=True)
+    _check_exit_rule_flag(args)
     _check_path(args.config, "file", "--config")
     if args.out:
         _check_out(args.out, "folder")
@@ -2076,6 +2189,7 @@ def _check_model_flags(args) -> None:
     _int_flags(args, 0, MAX_SEED, "init_seed")
     _int_flags(args, 1, MAX_COUNT, "min_loops")
     _real_flag(args, "exit_threshold", -math.inf, optional=True)
+    _check_exit_rule_flag(args)
     _check_device(args)
 
 
@@ -2098,9 +2212,15 @@ def check_rollout_flags(args) -> None:
 def check_verify_flags(args) -> None:
     """Every `verify` flag, before any work."""
     _check_model_flags(args)
-    _real_flag(args, "atol", 0.0)
-    _real_flag(args, "flip_margin", 0.0)
+    _want(args, "engine_dtype", args.engine_dtype in ENGINE_TOLERANCES, f"one of {', '.join(ENGINE_TOLERANCES)}")
+    _real_flag(args, "atol", 0.0, optional=True)
+    _real_flag(args, "flip_margin", 0.0, optional=True)
+    _real_flag(args, "sampler_alpha", 0.0, 1.0)
+    _int_flags(args, 1, MAX_COUNT, "batch_size")
+    _int_flags(args, 0, MAX_SEED, "seed")
     _check_path(args.rollouts, "file", "--rollouts")
+    if args.plot:
+        _check_out(args.plot, "file", "--plot")
 
 
 def check_bench_flags(args) -> None:
@@ -2142,6 +2262,7 @@ class TrainConfig:
     max_new_tokens: int = _flag(16, "completion length limit")
     temperature: float = _flag(1.0, "sampling temperature")
     min_loops: int = _flag(1, "no position exits before this loop")
+    exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
@@ -2295,6 +2416,7 @@ def _train_step(
         eos_id=tok.eos_id,
         sequence_ids=gids,
         min_loops=cfg.min_loops,
+        exit_rule=cfg.exit_rule,
     )
     texts = [tok.decode(c) for c in ro.completions]
     rewards = torch.tensor([reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)])
@@ -2523,153 +2645,564 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     return records
 
 
-def _check_reference_finite(model: LoopedLM, ro: Rollout, lp: torch.Tensor, gates: dict) -> None:
+# Engines are judged at their own precision. Per engine dtype, the defaults of --atol (the largest
+# accepted |recorded - reference| log-prob) and --flip-margin (the largest |CDF - threshold| at which an
+# exit-rule disagreement counts as rounding, a near-threshold flip, rather than a wrong depth). Measured
+# by sampling the reference itself in each dtype (fast numerics) and verifying against float64 (README,
+# "Checking a bfloat16 engine", has the commands and the table). The noise depends on the model: the
+# worst was tiny.json's random weights, which amplify one rounding step the most (bfloat16: |Δ log-prob|
+# up to 2.9 nats and disagreements up to 0.11 from the threshold over 12,000 tokens; 0.32 and 0.035 after
+# a short warm start; 0.015 and 0.008 on demo.json's random weights). The defaults cover that worst case
+# with room (~1.4-2x in bfloat16, 10x or more above), and the planted bugs of the README still fail there.
+ENGINE_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+ENGINE_TOLERANCES = {  # engine dtype: (atol, flip margin)
+    "float64": (1e-8, 1e-8),
+    "float32": (1e-3, 1e-3),
+    "bfloat16": (4.0, 0.2),
+    "float16": (1.0, 0.05),
+}
+RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(recorded - reference) is outside 1 ± x
+
+
+def records_rollout(recs: list[dict], kv: str = "exact", exit_rule: str = "survival") -> Rollout:
+    """Records (of one temperature) as one Rollout to teacher-force: B = len(recs), N the longest
+    completion; logprobs (B, N) float64 and mask (B, N) bool, padded; no schedule."""
+    N = max(len(r["completion_ids"]) for r in recs)
+    logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
+    mask = torch.zeros(len(recs), N, dtype=torch.bool)  # (B, N)
+    for b, r in enumerate(recs):
+        n = len(r["completion_ids"])
+        logprobs[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
+        mask[b, :n] = True
+    return Rollout(
+        prompts=[r["prompt_ids"] for r in recs],
+        completions=[r["completion_ids"] for r in recs],
+        exit_loops=[r["exit_loops"] for r in recs],
+        logprobs=logprobs,
+        mask=mask,
+        schedule=None,
+        temperature=recs[0]["temperature"],
+        kv=kv,
+        exit_rule=exit_rule,
+    )
+
+
+def _check_reference_finite(
+    model: LoopedLM, rec: dict, kv: str, lp: torch.Tensor, gates: torch.Tensor, ran: torch.Tensor
+) -> None:
     """Refuse to compare against a reference that is not a number (|NaN - x| > atol is False: NaN would
     pass). ValueError when the record's temperature caused it (the logits are finite at temperature 1),
-    NonFiniteError when the model did."""
-    plen = len(ro.prompts[0])
-    for k in range(lp.numel()):
-        g = torch.stack(gates[(0, plen - 1 + k)])  # (loops run,)
-        if not bool(torch.isfinite(g).all()):
-            raise NonFiniteError(
-                f"token {k}: the reference exit gate is {g.tolist()}: the model's gate logits are not finite"
-            )
+    NonFiniteError when the model did. lp (n,) the record's reference log-probs; gates (n, R) their gate
+    logits, of which the first ran (n,) were run."""
+    run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
+    bad_gate = (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist()
+    if bad_gate:
+        k = bad_gate[0]
+        raise NonFiniteError(
+            f"token {k}: the reference exit gate is {gates[k, : ran[k]].tolist()}: the model's gate logits "
+            "are not finite"
+        )
     bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
     if not bad:
         return
     k = bad[0]
-    if ro.temperature not in (0.0, 1.0):
+    if rec["temperature"] not in (0.0, 1.0):
+        ro = records_rollout([dict(rec, temperature=1.0)], kv)
         with torch.no_grad():
-            at_one = execute_schedule(
-                model,
-                dataclasses.replace(ro, temperature=1.0),
-                teacher_forced_schedule(ro, model.config.total_ut_steps),
-                "fast",
-            )[0]
+            at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
         if bool(torch.isfinite(at_one).all()):
             raise ValueError(
-                f"token {k}: 'temperature' {ro.temperature!r} makes the scaled logits overflow "
+                f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow "
                 f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
             )
     raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
 
 
-def verify_record(
-    model: LoopedLM, rec: dict, *, kv: str = "exact", threshold: float | None = None, min_loops: int = 1
-) -> dict:
-    """Recompute one record teacher-forced (in the model's dtype): every token's log-prob at its
-    recorded exit loop, and the exit rule at every producing position.
+def sampler_seed(seed: int, index: int) -> int:
+    """The seed of the sampler test's uniforms for sequence `index`.
 
-    Returns {"logprobs": (n,) recomputed, "diff": (n,) |recorded - recomputed|, "violations": list of
-    {"token", "recorded", "rule", "margin"}}; `margin` is CDF - threshold at the loop where the two
-    decisions part (tiny |margin|: a near-threshold flip; large: a wrong depth).
+    NOTE: a stream apart from the rollout's own (`sequence_seed`): a sampler's uniform lies inside the
+    interval of the token it picked, so reusing it would tie the PIT's uniform to the token, and the
+    values would not be uniform even for a perfect engine."""
+    return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def randomized_pit(logp: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The randomized probability integral transform of drawn tokens under a policy.
+
+    logp (k, V) the policy's log-probs, tokens (k,) long, uniforms (k,) float64 in [0, 1) -> (k,) float64:
+    u = F(before) + U * p(token), where the vocabulary is ordered by probability, highest first (ties by
+    id), and F(before) is the probability of the tokens ranked above. If the tokens are draws from this
+    policy, u ~ U(0, 1) exactly. The order makes the common faults visible: a lower temperature piles u
+    near 0, a higher one or another loop's logits spread it, top-p or top-k truncation empties the top.
     """
+    probs = logp.double().exp()  # (k, V)
+    probs = probs / probs.sum(1, keepdim=True)  # exp(log_softmax) sums to 1 only to rounding
+    ranked, order = probs.sort(dim=1, descending=True, stable=True)  # (k, V)
+    rank = (order == tokens[:, None]).to(torch.int64).argmax(1)  # (k,) the token's place in the order
+    above = (ranked.cumsum(1) - ranked).gather(1, rank[:, None])[:, 0]  # (k,) probability ranked above it
+    return (above + uniforms.to(probs.device) * probs.gather(1, tokens[:, None])[:, 0]).clamp(0.0, 1.0)
+
+
+def kolmogorov_sf(lam: float) -> float:
+    """P(K > lam) for the Kolmogorov distribution (the limit of sqrt(n) * D_n under the null)."""
+    if lam <= 0:
+        return 1.0
+    if lam < 1.18:  # the theta-function form converges fast here; the alternating series does not
+        s = sum(math.exp(-((2 * k - 1) ** 2) * math.pi**2 / (8 * lam * lam)) for k in range(1, 60))
+        return min(1.0, max(0.0, 1.0 - math.sqrt(2 * math.pi) / lam * s))
+    s = sum((-1) ** (k - 1) * math.exp(-2 * k * k * lam * lam) for k in range(1, 60))
+    return min(1.0, max(0.0, 2.0 * s))
+
+
+def ks_uniform(values) -> tuple[float, float]:
+    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value).
+
+    D = sup |F_n(x) - x|; the p-value is the asymptotic Kolmogorov distribution at
+    (sqrt(n) + 0.12 + 0.11 / sqrt(n)) * D, Stephens' finite-n correction (within about 1% of the exact
+    p-value from n = 5 on, where p-values near 1e-3 matter). No scipy needed.
+    """
+    u = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values  # (n,)
+    n = u.numel()
+    if n == 0:
+        raise ValueError("the Kolmogorov-Smirnov test needs at least one value")
+    i = torch.arange(1, n + 1, dtype=torch.float64)  # (n,)
+    d = max(float((i / n - u).max()), float((u - (i - 1) / n).max()))
+    return d, kolmogorov_sf((math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d)
+
+
+def _exit_violation(
+    gates: torch.Tensor, recorded: int, rule_exit: int | None, R: int, tau: float | None, min_loops: int, rule: str
+) -> dict | None:
+    """None when the recorded exit loop is the rule's; else {"recorded", "rule", "margin"}.
+
+    `margin` is CDF - threshold at the first loop where the two decisions part (tiny |margin|: a
+    near-threshold flip; large: a wrong depth); None where no threshold could explain the difference
+    (no threshold in the config, or a recorded exit before min_loops)."""
+    if rule_exit == recorded:
+        return None
+    part = min(recorded, rule_exit if rule_exit is not None else R)  # the first loop where the decisions differ
+    margin = None
+    if tau is not None and part >= min_loops:
+        padded = torch.cat([gates, gates.new_zeros(R - gates.numel())])  # (R,) loops never run read as 0
+        margin = float(exit_margin(padded, R, tau, rule)[part - 1])
+    return {"recorded": recorded, "rule": rule_exit if rule_exit is not None else f">{gates.numel()}", "margin": margin}
+
+
+def _verify_batch(
+    model: LoopedLM,
+    recs: list[dict],
+    indices: list[int],
+    *,
+    kv: str,
+    tau: float | None,
+    min_loops: int,
+    exit_rule: str,
+    rule_dtype: torch.dtype | None,
+    seed: int,
+) -> list[dict]:
+    """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
     R = model.config.total_ut_steps
-    tau = model.config.early_exit_threshold if threshold is None else threshold
-    n = len(rec["completion_ids"])
-    if n == 0:  # nothing was generated: nothing to recompute (and no call to run)
-        return {
-            "logprobs": torch.zeros(0, dtype=torch.float64),
-            "diff": torch.zeros(0, dtype=torch.float64),
-            "violations": [],
-        }
-    ro = Rollout(
-        prompts=[rec["prompt_ids"]],
-        completions=[rec["completion_ids"]],
-        exit_loops=[rec["exit_loops"]],
-        logprobs=torch.tensor([rec["logprobs"]], dtype=torch.float64),
-        mask=torch.ones(1, n, dtype=torch.bool),
-        schedule=None,
-        temperature=rec["temperature"],
-        kv=kv,
-    )
-    producing = {(0, len(rec["prompt_ids"]) - 1 + k) for k in range(n)}  # the positions that sampled a token
-    gates: dict = {}  # {(0, position): [gate logit of each loop run]}
+    ro = records_rollout(recs, kv, exit_rule)
+    (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
+    first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
+    length = torch.tensor([len(c) for c in ro.completions])  # (B,)
+    gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # the gate logit of every loop run, per token
+    ran = torch.zeros(B, N, dtype=torch.long)  # loops run per token's position (R, except under last_exited)
+    policy = torch.full((B, N), math.nan, dtype=torch.float64)  # each token's PIT, or its greedy gap
+    uniforms = torch.zeros(B, N, dtype=torch.float64)  # one per token, from the sequence's own stream, so
+    for b, (i, n) in enumerate(zip(indices, length.tolist())):  # the results do not depend on the batch
+        uniforms[b, :n] = torch.rand(
+            n, generator=torch.Generator().manual_seed(sampler_seed(seed, i)), dtype=torch.float64
+        )
+    sampled = ro.temperature > 0
+
+    def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
+        whether that position produced a recorded token."""
+        b = torch.tensor([r[0] for r in rows], dtype=torch.long)  # (n,)
+        k = torch.tensor([r[1] for r in rows], dtype=torch.long) - first[b]  # (n,)
+        return b, k, (k >= 0) & (k < length[b])
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        idx = [i for i, rc in enumerate(call.rows) if rc in producing]
-        for i, gl in zip(idx, model.gate_logits(h[idx]) if idx else []):
-            gates.setdefault(call.rows[i], []).append(gl)
+        b, k, produces = token_index(call.rows)
+        if bool(produces.any()):
+            gates[b[produces], k[produces], call.loop - 1] = model.gate_logits(h[produces.to(h.device)]).cpu()
+            ran[b[produces], k[produces]] = call.loop
+
+    def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
+        b, k, _ = token_index(call.readout)
+        tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
+        if sampled:
+            policy[b, k] = randomized_pit(logp, tok, uniforms[b, k]).cpu()
+        else:  # greedy: how far below the reference's best the recorded token is (0: an argmax, ties too)
+            lp = logp.double()
+            policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates)[0].cpu().double()
-    _check_reference_finite(model, ro, lp, gates)
-    diff = (lp - ro.logprobs[0]).abs()
-    violations = []
-    for k, e in enumerate(rec["exit_loops"]):
-        g = torch.stack(gates[(0, len(rec["prompt_ids"]) - 1 + k)])  # (loops run,)
-        rule = exit_loop(g, R, tau, min_loops)
-        if rule != e:
-            margins = exit_margin(torch.cat([g, g.new_zeros(R - g.numel())]), R, tau)  # (R,)
-            part = min(e, rule if rule is not None else R)  # the first loop where the decisions differ
-            violations.append(
-                {
-                    "token": k,
-                    "recorded": e,
-                    "rule": rule if rule is not None else f">{g.numel()}",
-                    "margin": float(margins[part - 1]),
-                }
+        lp_all = execute_schedule(
+            model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy
+        ).cpu()  # (B, N)
+    # The rule at every producing position at once, positions grouped by the loops they ran (all R, except
+    # under kv="last_exited"). It runs on the reference's gates rounded to the engine's dtype: an engine
+    # decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
+    rule_gates = gates.to(rule_dtype or model.dtype)  # (B, N, R)
+    rule_exits = torch.full((B, N), -1, dtype=torch.long)  # -1: undecided by the loops run
+    for j in sorted(set(ran[ro.mask].tolist())):
+        sel = ro.mask & (ran == j)  # (B, N)
+        decided = exit_loops(rule_gates[sel][:, :j], R, tau, min_loops, exit_rule)
+        rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+    results = []
+    for b, (i, rec) in enumerate(zip(indices, recs)):
+        n = len(rec["completion_ids"])
+        lp = lp_all[b, :n].double()  # (n,)
+        try:
+            _check_reference_finite(model, rec, kv, lp, gates[b, :n], ran[b, :n])
+        except (ValueError, NonFiniteError) as err:
+            err.index = i  # which record: the command names its file line
+            raise
+        delta = ro.logprobs[b, :n] - lp  # (n,) recorded - reference
+        exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
+        violations = []
+        for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], exits)):
+            if e != rule_e:
+                g = rule_gates[b, k, : ran[b, k]]  # (loops run,)
+                violations.append({"token": k, **_exit_violation(g, e, rule_e, R, tau, min_loops, exit_rule)})
+        results.append(
+            {
+                "logprobs": lp,
+                "delta": delta,
+                "diff": delta.abs(),
+                "violations": violations,
+                "rule_exits": exits,
+                "pit": policy[b, :n] if sampled else None,
+                "greedy_gap": None if sampled else policy[b, :n],
+            }
+        )
+    return results
+
+
+def verify_records(
+    model: LoopedLM,
+    recs: list[dict],
+    *,
+    kv: str = "exact",
+    threshold: float | None = None,
+    min_loops: int = 1,
+    exit_rule: str = "survival",
+    rule_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    batch_size: int = 16,
+    first_index: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[dict]:
+    """Recompute records teacher-forced (in the model's dtype), `batch_size` sequences per pass (records
+    of the same temperature together; per-sequence results do not depend on the grouping beyond rounding):
+    every token's log-prob at its recorded exit loop, the exit rule at every producing position, and the
+    reference policy at that loop for the sampler test.
+
+    Returns, per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded - recomputed; "diff"
+    (n,) |delta|; "rule_exits" the rule's exit loop per token (None: undecided by the loops run);
+    "violations" every disagreement, {"token", "recorded", "rule", "margin"} (see `_exit_check`);
+    "pit" (n,) the randomized PIT of each token (temperature > 0, else None; uniforms from
+    `sampler_seed(seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the token's (temperature 0,
+    else None). The rule is evaluated on the reference's gates rounded to `rule_dtype` (the engine's dtype;
+    default the model's). `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the
+    failing record's index in `recs` as `.index`.
+    """
+    _check_exit_rule(exit_rule)
+    tau = model.config.early_exit_threshold if threshold is None else threshold
+    results: list = [None] * len(recs)
+    groups: dict[float, list[int]] = {}  # temperature -> record indices (one temperature per pass)
+    for i, rec in enumerate(recs):
+        if rec["completion_ids"]:
+            groups.setdefault(float(rec["temperature"]), []).append(i)
+        else:  # nothing was generated: nothing to recompute
+            empty = torch.zeros(0, dtype=torch.float64)
+            sampled = rec["temperature"] > 0
+            results[i] = {
+                "logprobs": empty,
+                "delta": empty,
+                "diff": empty,
+                "violations": [],
+                "rule_exits": [],
+                "pit": empty if sampled else None,
+                "greedy_gap": None if sampled else empty,
+            }
+    done = len(recs) - sum(map(len, groups.values()))
+    for idx in groups.values():
+        for c in range(0, len(idx), batch_size):
+            chunk = idx[c : c + batch_size]
+            batch = _verify_batch(
+                model,
+                [recs[i] for i in chunk],
+                [first_index + i for i in chunk],
+                kv=kv,
+                tau=tau,
+                min_loops=min_loops,
+                exit_rule=exit_rule,
+                rule_dtype=rule_dtype,
+                seed=seed,
             )
-    return {"logprobs": lp, "diff": diff, "violations": violations}
+            for i, res in zip(chunk, batch):
+                results[i] = res
+            done += len(chunk)
+            if on_batch is not None:
+                on_batch(done)
+    return results
 
 
-def cmd_verify(args) -> int:
-    """Exit 0: all within tolerance; 1: mismatches or exit-rule violations; 2: bad input."""
-    dtype = DTYPES[args.dtype]
-    try:
-        check_verify_flags(args)
-        model = _load_model_arg(args, dtype)
-        records = read_records(args.rollouts, model.config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    summary = {
+def verify_record(
+    model: LoopedLM,
+    rec: dict,
+    *,
+    kv: str = "exact",
+    threshold: float | None = None,
+    min_loops: int = 1,
+    exit_rule: str = "survival",
+    rule_dtype: torch.dtype | None = None,
+    seed: int = 0,
+    index: int = 0,
+) -> dict:
+    """`verify_records` for one record (`index`: its place in its file, which seeds its sampler test)."""
+    return verify_records(
+        model,
+        [rec],
+        kv=kv,
+        threshold=threshold,
+        min_loops=min_loops,
+        exit_rule=exit_rule,
+        rule_dtype=rule_dtype,
+        seed=seed,
+        first_index=index,
+    )[0]
+
+
+def _quantile(sorted_values: torch.Tensor, q: float) -> float:
+    """The q-quantile of sorted values, interpolated linearly (numpy's default)."""
+    pos = q * (sorted_values.numel() - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, sorted_values.numel() - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def verify_summary(
+    records: list[dict], results: list[dict], *, atol: float, flip_margin: float, sampler_alpha: float
+) -> dict:
+    """The verdict and the statistics of `verify`, as the JSON summary (see README, "Checking a bfloat16
+    engine", for what each number means). "passed" is the exit status: no log-prob beyond atol, no
+    exit-rule disagreement beyond the flip margin, a sampler test above alpha, greedy tokens at the argmax.
+    """
+    delta = torch.cat([r["delta"] for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    diff = delta.abs()
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    s = {
         "sequences": len(records),
-        "tokens": 0,
-        "max_abs_diff": 0.0,
-        "mismatched_tokens": 0,
+        "tokens": int(diff.numel()),
+        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+        "mismatched_tokens": int((~(diff <= atol)).sum()),  # NOTE: written so that NaN counts as a mismatch
         "exit_rule_violations": 0,
         "first_mismatch": None,
+        "near_threshold_flips": 0,
+        "first_violation": None,
+        "exit_agreement": None,
+        "abs_diff_quantiles": None,
+        "max_abs_diff_by_exit_loop": {},
+        "ratio_outside": {},
+        "sampler_tokens": 0,
+        "sampler_ks_statistic": None,
+        "sampler_p_value": None,
+        "greedy_tokens": 0,
+        "greedy_mismatches": 0,
+        "atol": atol,
+        "flip_margin": flip_margin,
+        "sampler_alpha": sampler_alpha,
     }
-    print(
-        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype}, kv={args.kv}, atol={args.atol})"
-    )
-    for i, rec in enumerate(records):
-        try:
-            res = verify_record(model, rec, kv=args.kv, threshold=args.exit_threshold, min_loops=args.min_loops)
-        except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
-            print(f"error: {args.rollouts}:{rec['line']}: sequence {i}, {e}", file=sys.stderr)
-            return 2 if isinstance(e, ValueError) else 1
-        bad = (~(res["diff"] <= args.atol)).nonzero()[:, 0].tolist()  # NOTE: written so that NaN fails
-        summary["tokens"] += len(rec["completion_ids"])
-        summary["max_abs_diff"] = max(summary["max_abs_diff"], float(res["diff"].max()) if len(res["diff"]) else 0.0)
-        summary["mismatched_tokens"] += len(bad)
-        summary["exit_rule_violations"] += len(res["violations"])
-        if bad and summary["first_mismatch"] is None:
+    agree = 0
+    for i, (rec, res) in enumerate(zip(records, results)):
+        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
+        if bad and s["first_mismatch"] is None:
             k = bad[0]
-            summary["first_mismatch"] = {
+            s["first_mismatch"] = {
                 "sequence": i,
                 "token": k,
                 "expected": float(res["logprobs"][k]),
                 "got": float(rec["logprobs"][k]),
             }
-        status = "ok" if not bad and not res["violations"] else "MISMATCH"
+        agree += len(rec["exit_loops"]) - len(res["violations"])
+        for v in res["violations"]:
+            if v["margin"] is not None and abs(v["margin"]) <= flip_margin:
+                s["near_threshold_flips"] += 1
+                continue
+            s["exit_rule_violations"] += 1
+            if s["first_violation"] is None:
+                s["first_violation"] = {"sequence": i, **v}
+        if res["greedy_gap"] is not None:
+            s["greedy_tokens"] += res["greedy_gap"].numel()
+            # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
+            s["greedy_mismatches"] += int((~(res["greedy_gap"] <= 2 * atol)).sum())
+    if diff.numel():
+        ranked = diff.sort().values
+        s["exit_agreement"] = agree / diff.numel()
+        s["abs_diff_quantiles"] = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)}
+        s["abs_diff_quantiles"]["max"] = float(ranked[-1])
+        s["max_abs_diff_by_exit_loop"] = {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))}
+        ratio = delta.exp()
+        s["ratio_outside"] = {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS}
+    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
+    if pit.numel():
+        s["sampler_tokens"] = int(pit.numel())
+        s["sampler_ks_statistic"], s["sampler_p_value"] = ks_uniform(pit)
+    s["passed"] = (
+        s["mismatched_tokens"] == 0
+        and s["exit_rule_violations"] == 0
+        and s["greedy_mismatches"] == 0
+        and not (s["sampler_p_value"] is not None and s["sampler_p_value"] < sampler_alpha)
+    )
+    return s
+
+
+def _print_failures(records: list[dict], results: list[dict], summary: dict, limit: int = 20) -> None:
+    """A line per failing sequence (the first `limit`), with its first few bad tokens."""
+    atol, flip, shown = summary["atol"], summary["flip_margin"], 0
+    for i, (rec, res) in enumerate(zip(records, results)):
+        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
+        wrong = [v for v in res["violations"] if v["margin"] is None or abs(v["margin"]) > flip]
+        greedy = [] if res["greedy_gap"] is None else (~(res["greedy_gap"] <= 2 * atol)).nonzero()[:, 0].tolist()
+        if not (bad or wrong or greedy):
+            continue
+        shown += 1
+        if shown > limit:
+            print(f"  ... and more failing sequences (the first {limit} are shown)")
+            return
+        flips = len(res["violations"]) - len(wrong)
         print(
-            f"  seq {i} (line {rec['line']}): {len(rec['completion_ids'])} tokens, max |diff| "
-            f"{float(res['diff'].max()) if len(res['diff']) else 0.0:.3e}, {len(bad)} over atol, "
-            f"{len(res['violations'])} exit-rule violations  {status}"
+            f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
+            f"{float(res['diff'].max()):.3e}, {len(bad)} over atol, {len(wrong)} exit-rule violations "
+            f"({flips} near-threshold flips), {len(greedy)} greedy tokens not the argmax  MISMATCH"
         )
         for k in bad[:3]:
             print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res['logprobs'][k]):.6f}")
-        for v in res["violations"][:3]:
-            kind = "near-threshold flip" if abs(v["margin"]) < args.flip_margin else "wrong depth"
-            print(
-                f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} "
-                f"(CDF - threshold = {v['margin']:+.2e}: {kind})"
-            )
+        for v in wrong[:3]:
+            m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
+            print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
+        for k in greedy[:3]:
+            gap = float(res["greedy_gap"][k])
+            print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
+
+
+def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: dict, R: int) -> None:
+    """|Δ log-prob| per token (log scale) coloured by exit loop, and the sampler test's histogram."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
+    diff = torch.cat([r["diff"] for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
+    x = torch.arange(diff.numel())
+    cmap = plt.get_cmap("viridis", max(R, 2))
+    for r in range(1, R + 1):
+        sel = exits == r
+        if bool(sel.any()):
+            ax.scatter(x[sel], diff[sel], s=4, color=cmap(r - 1), label=f"exit loop {r}")
+    ax.axhline(summary["atol"], ls="--", c="r", lw=1, label=f"atol {summary['atol']:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("token (records in file order)")
+    ax.set_ylabel("|recorded - reference| log-prob")
+    ax.legend(fontsize=7, markerscale=3)
+    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
+    if pit.numel():
+        hx.hist(pit.numpy(), bins=20, range=(0, 1), density=True, alpha=0.7)
+        hx.axhline(1.0, c="k", lw=1, label="U(0, 1)")
+        hx.set_title(f"sampler test: {pit.numel()} tokens, KS p = {summary['sampler_p_value']:.3g}", fontsize=9)
+        hx.legend(fontsize=7)
+    else:
+        hx.text(0.5, 0.5, "no sampled (temperature > 0) records", ha="center", va="center")
+    hx.set_xlabel("randomized PIT under the reference policy")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def cmd_verify(args) -> int:
+    """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
+    try:
+        check_verify_flags(args)
+        model = _load_model_arg(args, DTYPES[args.dtype])
+        records = read_records(args.rollouts, model.config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    atol, flip = ENGINE_TOLERANCES[args.engine_dtype]
+    atol = atol if args.atol is None else args.atol
+    flip = flip if args.flip_margin is None else args.flip_margin
+    print(
+        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
+        f"({args.dtype} reference; engine {args.engine_dtype}: atol={atol:g}, flip margin={flip:g}; "
+        f"exit rule {args.exit_rule}, kv={args.kv})"
+    )
+    t0 = time.time()
+    shown = [t0]
+
+    def progress(done: int) -> None:
+        now = time.time()
+        if now - shown[0] >= 2.0 or done == len(records):
+            print(f"  {done}/{len(records)} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
+            shown[0] = now
+
+    try:
+        results = verify_records(
+            model,
+            records,
+            kv=args.kv,
+            threshold=args.exit_threshold,
+            min_loops=args.min_loops,
+            exit_rule=args.exit_rule,
+            rule_dtype=ENGINE_DTYPES[args.engine_dtype],
+            seed=args.seed,
+            batch_size=args.batch_size,
+            on_batch=progress,
+        )
+    except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
+        i = getattr(e, "index", 0)
+        print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    seconds = time.time() - t0
+    summary = verify_summary(records, results, atol=atol, flip_margin=flip, sampler_alpha=args.sampler_alpha)
+    summary.update(
+        engine_dtype=args.engine_dtype,
+        exit_rule=args.exit_rule,
+        seconds=round(seconds, 3),
+        sequences_per_second=round(len(records) / max(seconds, 1e-9), 1),
+    )
+    _print_failures(records, results, summary)
+    if summary["near_threshold_flips"]:
+        print(
+            f"  {summary['near_threshold_flips']} near-threshold exit flips "
+            f"(|CDF - threshold| <= {flip:g}): not failures"
+        )
+    if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < args.sampler_alpha:
+        print(
+            f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
+            f"(KS p = {summary['sampler_p_value']:.2e} < {args.sampler_alpha:g})"
+        )
+    if args.plot:
+        _plot_verify(Path(args.plot), records, results, summary, model.config.total_ut_steps)
+    passed = summary.pop("passed")
     print(json.dumps(summary))
-    return 0 if summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0 else 1
+    return 0 if passed else 1
 
 
 def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
@@ -2718,6 +3251,7 @@ def cmd_rollout(args) -> int:
         seed=args.seed,
         eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
         kv=args.kv,
+        exit_rule=args.exit_rule,
     )
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:  # never write a record no verifier could check
@@ -2991,6 +3525,7 @@ def cmd_demo(args) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         mode="deferred",
+        exit_rule=args.exit_rule,
         device="cpu",
         out=args.out,
         save_every=10**9,
@@ -3005,7 +3540,7 @@ def cmd_demo(args) -> int:
     before: dict = {}
 
     def on_start(model, tok):
-        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens))
+        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule))
         print(
             f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
             f"({len(held_out)} problems)"
@@ -3016,7 +3551,7 @@ def cmd_demo(args) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
-    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens)
+    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule)
     gain, gain_se = paired_gain(before["correct"], after["correct"])
     print(
         f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
@@ -3088,6 +3623,12 @@ def _model_flags(p, dtype_default: str) -> None:
     p.add_argument("--kv", choices=KV_MODES, default="exact", help="KV semantics (last_exited: KV-copy engines)")
     p.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
     p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
+    p.add_argument(
+        "--exit-rule",
+        choices=EXIT_RULES,
+        default="survival",
+        help="exit rule: survival (SPEC §3) or hf (Hugging Face modeling_ouro's arithmetic, in the model dtype)",
+    )
 
 
 def build_parser():
@@ -3111,6 +3652,7 @@ def build_parser():
     d.add_argument("--problems", type=int, default=2000, help="training problems")
     d.add_argument("--eval-problems", type=int, default=200, help="held-out problems")
     d.add_argument("--seed", type=int, default=0, help="seed of everything")
+    d.add_argument("--exit-rule", choices=EXIT_RULES, default="survival", help="exit rule (hf: modeling_ouro's)")
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
     r = sub.add_parser(
@@ -3139,13 +3681,31 @@ def build_parser():
     )
     _model_flags(v, "float64")
     v.add_argument("--rollouts", required=True, help="records JSONL (see README: Checking your engine)")
-    v.add_argument("--atol", type=float, default=1e-4, help="largest accepted |log-prob difference|")
+    v.add_argument(
+        "--engine-dtype",
+        choices=tuple(ENGINE_TOLERANCES),
+        default="float32",
+        help="the dtype the engine computed in: sets the defaults of --atol and --flip-margin "
+        f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
+        "which the exit rule is evaluated on the reference's gates",
+    )
+    v.add_argument("--atol", type=float, help="largest accepted |log-prob difference| (None: --engine-dtype's)")
     v.add_argument(
         "--flip-margin",
         type=float,
-        default=1e-3,
-        help="an exit-rule violation with |CDF - threshold| below this is a near-threshold flip",
+        help="an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
+        "failure (None: --engine-dtype's)",
     )
+    v.add_argument(
+        "--sampler-alpha",
+        type=float,
+        default=1e-3,
+        help="fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) "
+        "is below this",
+    )
+    v.add_argument("--seed", type=int, default=0, help="seed of the sampler test's uniforms")
+    v.add_argument("--batch-size", type=int, default=16, help="sequences per teacher-forced pass")
+    v.add_argument("--plot", help="write a PNG: |log-prob difference| per token, and the sampler test's histogram")
     bp = sub.add_parser(
         "bench",
         formatter_class=HELP,
