@@ -528,8 +528,8 @@ def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[
 def exit_loops(
     gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> list[int | None]:
-    """The exit rule (SPEC §3) for P positions at once, given the gate logits of their first j <= R loops:
-    gate_logits (P, j) -> P exit loops, each None while loops 1..j do not decide.
+    """The exit rule (SPEC §3) for n positions at once, given the gate logits of their first j <= R loops:
+    gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= threshold (R when none: a threshold above 1
     always runs all loops); threshold None (a config without one) always exits at R, as HF reads out the
@@ -541,15 +541,15 @@ def exit_loops(
     to the tensor's dtype: in bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
     """
     _check_exit_rule(rule)
-    P, j = gate_logits.shape
+    n, j = gate_logits.shape
     if threshold is None or j == 0:
-        return [R if j >= R else None] * P
-    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (P, j)
-    hit = cdf >= threshold  # (P, j) bool; for "hf" this is HF's own comparison
+        return [R if j >= R else None] * n
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (n, j)
+    hit = cdf >= threshold  # (n, j) bool; for "hf" this is HF's own comparison
     hit[:, : min_loops - 1] = False  # no exit before min_loops
     if j == R:
         hit[:, R - 1] = True  # the last loop always exits
-    first = hit.to(torch.int64).argmax(dim=1)  # (P,) the first loop that exits, 0-based
+    first = hit.to(torch.int64).argmax(dim=1)  # (n,) the first loop that exits, 0-based
     return [int(f) + 1 if bool(h) else None for f, h in zip(first, hit.any(dim=1))]
 
 
@@ -557,7 +557,7 @@ def exit_loop(
     gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> int | None:
     """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
-    while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for P = 1."""
+    while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for n = 1."""
     return exit_loops(gate_logits[None], R, threshold, min_loops, rule)[0]
 
 
