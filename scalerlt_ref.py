@@ -361,6 +361,8 @@ class LoopedLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         gen = torch.Generator().manual_seed(seed)  # a dedicated generator: init never touches global RNG
         for name, p in self.named_parameters():
+            if p.is_meta:  # built on the meta device (shapes only) to be filled from a checkpoint: no init
+                break
             if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
                 continue  # norms start at 1
             with torch.no_grad():
@@ -1542,24 +1544,117 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(wm.values()))
 
 
-def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse a checkpoint with non-floating-point or non-finite tensors, listing them (a cast would hide
-    the first, and the second makes every log-prob NaN, which no comparison should count as agreement)."""
-    not_float = sorted(
-        f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if not v.is_floating_point()
-    )
-    if not_float:
-        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
-    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
-    if non_finite:
-        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+# safetensors' dtype names, as torch dtypes (a tensor of any other dtype is refused: torch cannot hold it)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
+@dataclass
+class _StoredTensor:
+    """Where one tensor lies in a safetensors file: what its header says, nothing read yet."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset of its data in the file
+    nbytes: int
+
+
+def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
+    """The tensors of one safetensors file, from its header alone.
+
+    safetensors validates the file first (header, dtypes, offsets, sizes; it maps the file without reading
+    its data), so a corrupt file gets the error message it always got; then the header is read again here
+    for the byte offsets, which safetensors does not expose.
+    """
+    st = _safetensors()
+    try:
+        with st.safe_open(str(file), framework="pt"):
+            pass
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except Exception as e:  # a missing shard or a corrupt file: name it
+        raise ValueError(f"{file}: cannot read safetensors ({e})") from None
+    header.pop("__metadata__", None)
+    out = {}
+    for name, t in header.items():
+        if t["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: cannot read safetensors (tensor {name!r} has dtype {t['dtype']})")
+        begin, end = t["data_offsets"]
+        out[name] = _StoredTensor(file, _SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + begin, end - begin)
+    return out
+
+
+def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
+    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order.
+
+    A tensor is read straight into `into[name]` when given (a contiguous CPU tensor of the stored dtype
+    and shape: no copy at all), else into a new CPU tensor that the caller drops before the next.
+    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory
+    until it is closed, which would add a whole shard to the peak.
+    """
+    by_file: dict[Path, list[str]] = {}
+    for name, t in stored.items():
+        by_file.setdefault(t.file, []).append(name)
+    for file, names in by_file.items():
+        with open(file, "rb") as fh:
+            for name in sorted(names, key=lambda k: stored[k].start):
+                t = stored[name]
+                out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
+                buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())  # its memory, as bytes
+                fh.seek(t.start)
+                got = 0
+                while got < t.nbytes:  # NOTE: one read returns at most ~2 GB on Linux
+                    n = fh.readinto(buf[got:])
+                    if not n:
+                        raise ValueError(f"{file}: cannot read safetensors (the file ends inside {name!r})")
+                    got += n
+                yield name, out
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """torch.isfinite(x).all(), in slices: the whole tensor's mask would be one more byte per element."""
+    return all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
+
+
+def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
+    """A model whose parameters are allocated once, in `dtype` on `device`, and left uninitialised: built
+    on the meta device (shapes only: no random init, no memory), then given memory. Fill it before use."""
+    with torch.device("meta"):
+        model = LoopedLM(cfg)
+    return model.to(dtype=dtype).to_empty(device=device)
+
+
+@torch.no_grad()
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index)."""
-    st = _safetensors()
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index).
+
+    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from
+    the file straight into its parameter when the dtypes agree, else through one temporary tensor and the
+    same cast as ever (so a float64 file keeps its bits in a float64 model). Peak memory: the model plus
+    the largest tensor. Refused with every culprit listed, in this order: tensors that are not floating
+    point, tensors holding NaN or infinities, then missing, unexpected and misshapen tensors.
+    NOTE: that order is the one the checks always had, so a checkpoint with several faults gets the same
+    message as before; it costs a read of every tensor before a name mismatch is reported.
+    """
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -1569,34 +1664,50 @@ def load_checkpoint(
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors = {}
+    stored: dict[str, _StoredTensor] = {}
     for f in files:
-        try:
-            tensors.update(st.load_file(str(path / f)))
-        except Exception as e:  # a missing shard or a corrupt file: name it
-            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
-    _check_float_tensors(tensors, path)
-    model = LoopedLM(cfg)
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(
-        f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
-        for k in set(expected) & set(tensors)
-        if tensors[k].shape != expected[k].shape
+        stored.update(_stored_tensors(path / f))  # a name in two shards: the later file's tensor, as ever
+    not_float = sorted(
+        f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
-    if missing or unexpected or misshapen:
+    if not_float:  # a cast would make up weights
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in LoopedLM(cfg).state_dict().items()}
+    source = {k: k for k in expected if k in stored}  # parameter -> the stored tensor that fills it
+    if cfg.tie_word_embeddings and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
+        source["lm_head.weight"] = "model.embed_tokens.weight"
+    missing = sorted(set(expected) - set(source))
+    unexpected = sorted(set(stored) - set(expected) - {"model.rotary_emb.inv_freq"})  # RoPE's buffer: recomputed
+    misshapen = sorted(
+        f"{k}: {stored[s].shape} in the file, {expected[k]} expected"
+        for k, s in source.items()
+        if stored[s].shape != expected[k]
+    )
+    bad_names = missing or unexpected or misshapen
+    model = None if bad_names else empty_model(cfg, dtype, device)
+    params = model.state_dict() if model else {}  # these share memory with the parameters
+    users: dict[str, list[torch.Tensor]] = {}  # stored tensor -> the parameters it fills
+    for k, s in source.items():
+        users.setdefault(s, []).extend([params[k]] if params else [])
+    # read straight into the parameter where it has the stored dtype and lies on the CPU
+    direct = {s: ps[0] for s, ps in users.items() if ps and ps[0].dtype == stored[s].dtype and ps[0].is_cpu}
+    non_finite = []
+    for name, x in _read_stored(stored, direct):
+        if not _all_finite(x):  # NaN makes every log-prob NaN, which no comparison should count as agreement
+            non_finite.append(name)
+        for p in users.get(name, []):
+            if p is not x:
+                p.copy_(x)  # the cast to `dtype` and the move to `device`
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
+    if bad_names:
         raise ValueError(
             f"{path}: checkpoint does not match its config.json:\n"
             f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
             f"  misshapen tensors: {misshapen}"
         )
-    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
-    model.load_state_dict(tensors)
-    return model.to(device=device)
+    return model
 
 
 # The HF-style entry points of the model, attached here so that the model's section needs nothing
@@ -2180,7 +2291,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     out = Path(cfg.out) if cfg.out else None
     if cfg.resume and not (out / "trainer_state.pt").exists():
         raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
-    model, tok = _load_policy(cfg)
+    model, tok = _load_policy(cfg, device)
     problems = _load_problems(cfg, tok, model.config)
     grpo = cfg.grpo()
     start_step, opt_state, ref_state = 0, None, None
@@ -2189,7 +2300,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
-    model = model.to(dtype=DTYPES[cfg.dtype], device=device)
+    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
     opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
@@ -2197,7 +2308,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         on_start(model, tok)
     ref = None
     if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
-        ref = LoopedLM(model.config).to(dtype=model.dtype, device=device)
+        ref = empty_model(model.config, model.dtype, device)
         ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
     if out:
         _truncate_logs(out, rank, start_step, say)
@@ -2290,10 +2401,11 @@ def _train_step(
     return m
 
 
-def _load_policy(cfg: TrainConfig):
-    """The model (float32, CPU: cast after the warm start) and its tokenizer."""
+def _load_policy(cfg: TrainConfig, device: torch.device):
+    """The model and its tokenizer. A checkpoint loads straight into --dtype on `device`; a config's random
+    model stays float32 on the CPU for its warm start and is cast afterwards."""
     if cfg.model:
-        model = LoopedLM.from_pretrained(cfg.model, dtype=torch.float32, device="cpu")
+        model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
         tok_path = Path(cfg.model) / "tokenizer.json"
         tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
     else:

@@ -1483,3 +1483,210 @@ def test_fuzzed_bad_prompts_exit_2_naming_file_and_line(tmp_path_factory, line):
     rc, err = _main_captured(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
     assert rc == 2 and not out.exists(), line
     _one_line_error(err, f"{prompts}:2:")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real-size checkpoints (issue 12)
+# ---------------------------------------------------------------------------------------------------
+
+
+def write_random_checkpoint(
+    path: Path, cfg: S.Config, *, shards: int = 2, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Path:
+    """An HF-layout checkpoint of random weights with `cfg`'s shapes, written shard by shard (only one
+    shard's tensors in memory at a time, so Ouro-1.4B's shapes fit beside the model being measured).
+
+    Weights ~ N(0, initializer_range), norms 1 + N(0, 0.1), the exit gate's bias 0; every tensor is drawn
+    in float32 from one seeded generator, then cast to `dtype`. Returns `path`.
+    """
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in S.LoopedLM(cfg).state_dict().items()}
+    names = list(shapes)
+    gen = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(S.config_to_hf(cfg) | {"torch_dtype": str(dtype)[6:]}))
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)] if shards > 1 else None
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        tensors = {}
+        for k in part:
+            x = torch.randn(shapes[k], generator=gen)
+            if "norm" in k:
+                x = 1 + 0.1 * x
+            elif k.endswith("bias"):
+                x = torch.zeros(shapes[k])
+            else:
+                x *= cfg.initializer_range
+            tensors[k] = x.to(dtype)
+        name = files[i] if files else "model.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map |= {k: name for k in part}
+        del tensors
+    if files:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def _load_before_issue_12(path, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
+    """The slow twin: `from_pretrained` as it was before issue 12 (commit b82ad9d), its messages verbatim.
+    It reads every shard whole, builds a random float32 model, casts it, then copies the tensors in."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = S.load_config(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    files = S._index_shards(index) if index.exists() else ["model.safetensors"]
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(path / f)))
+        except Exception as e:
+            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    not_float = sorted(
+        f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if not v.is_floating_point()
+    )
+    if not_float:
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+    model = S.LoopedLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors.pop("model.rotary_emb.inv_freq", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(
+        f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+        for k in set(expected) & set(tensors)
+        if tensors[k].shape != expected[k].shape
+    )
+    if missing or unexpected or misshapen:
+        raise ValueError(
+            f"{path}: checkpoint does not match its config.json:\n"
+            f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+            f"  misshapen tensors: {misshapen}"
+        )
+    model = model.to(dtype=dtype)
+    model.load_state_dict(tensors)
+    return model
+
+
+def _assert_same_parameters(a: S.LoopedLM, b: S.LoopedLM) -> None:
+    assert a.config == b.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(sa[k], sb[k]), f"{k}: max |diff| = {maxdiff(sa[k], sb[k]):.3e}"
+
+
+_FILE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
+
+
+@examples(12)
+@given(
+    file_dtype=st.sampled_from(_FILE_DTYPES),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    shards=between(1, 3),
+    tied=st.booleans(),
+    inv_freq=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_lean_load_equals_the_old_load(tmp_path_factory, file_dtype, dtype, shards, tied, inv_freq, seed):
+    """The lean load gives bit for bit the parameters the old one gave: float64 and float16 files cast
+    once to the model dtype, a tied head filled from the embedding, RoPE's exported buffer skipped."""
+    cfg = S.Config(**TINY | {"tie_word_embeddings": tied})
+    path = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, shards=shards, dtype=file_dtype, seed=seed)
+    if tied or inv_freq:  # rewrite the last shard: the head dropped (tied), RoPE's buffer added
+        from safetensors.torch import load_file, save_file
+
+        last = sorted(path.glob("*.safetensors"))[-1]
+        tensors = load_file(str(last))
+        tensors.pop("lm_head.weight", None) if tied else None
+        if inv_freq:
+            tensors["model.rotary_emb.inv_freq"] = torch.arange(cfg.head_dim // 2, dtype=file_dtype)
+        save_file(tensors, str(last))
+        if shards > 1:
+            index = json.loads((path / "model.safetensors.index.json").read_text())
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != last.name}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    lean = S.LoopedLM.from_pretrained(path, dtype=dtype)
+    _assert_same_parameters(lean, _load_before_issue_12(path, dtype))
+    if tied:
+        assert torch.equal(lean.lm_head.weight, lean.model.embed_tokens.weight)
+
+
+def _bad_checkpoint(path: Path, fault: str) -> Path:
+    """A tiny checkpoint (two shards) with one kind of fault, or two at once (a '+' in `fault`)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = S.Config(**TINY)
+    write_random_checkpoint(path, cfg, shards=2, dtype=torch.float32)
+    first, second = sorted(path.glob("*.safetensors"))
+    a, b = load_file(str(first)), load_file(str(second))
+    shard = lambda k: a if k in a else b  # noqa: E731  the shard that holds tensor k
+    for f in fault.split("+"):
+        if f == "missing":
+            del shard("lm_head.weight")["lm_head.weight"]
+        elif f == "unexpected":
+            a["model.layers.0.self_attn.q_norm.weight"] = torch.ones(cfg.head_dim)
+        elif f == "misshapen":
+            shard("model.embed_tokens.weight")["model.embed_tokens.weight"] = torch.zeros(cfg.vocab_size + 1, 16)
+        elif f == "integer":
+            shard("model.norm.weight")["model.norm.weight"] = torch.ones(cfg.hidden_size, dtype=torch.int64)
+            shard("lm_head.weight")["lm_head.weight"] = shard("lm_head.weight")["lm_head.weight"].to(torch.bool)
+        elif f == "nan":
+            shard("lm_head.weight")["lm_head.weight"][0, 0] = float("nan")
+            shard("model.embed_tokens.weight")["model.embed_tokens.weight"][1, 1] = float("-inf")
+    save_file(a, str(first))
+    save_file(b, str(second))
+    if fault == "truncated":
+        second.write_bytes(second.read_bytes()[:-7])
+    return path
+
+
+@pytest.mark.parametrize(
+    "fault",
+    "missing unexpected misshapen missing+unexpected+misshapen integer nan nan+missing integer+nan+misshapen "
+    "truncated".split(),
+)
+def test_lean_load_refuses_what_the_old_load_refused(tmp_path, fault):
+    """Every bad checkpoint the old load refused, the lean one refuses with the very same message (and
+    when several faults meet, it names the same one first)."""
+    path = _bad_checkpoint(tmp_path, fault)
+    with pytest.raises(ValueError) as old:
+        _load_before_issue_12(path)
+    with pytest.raises(ValueError) as lean:
+        S.LoopedLM.from_pretrained(path)
+    assert str(lean.value) == str(old.value)
+
+
+def test_lean_load_draws_no_random_numbers(tmp_path, monkeypatch):
+    """No random init is built and thrown away (at Ouro-1.4B that was 1.4 billion normal draws)."""
+    path = write_random_checkpoint(tmp_path, S.Config(**TINY))
+    state = torch.get_rng_state()
+
+    def no_draws(*a, **k):
+        raise AssertionError("from_pretrained drew random numbers")
+
+    monkeypatch.setattr(torch, "randn", no_draws)
+    S.LoopedLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_train_loads_a_checkpoint_straight_into_its_dtype(tmp_path, monkeypatch):
+    """`train --model` loads in --dtype on --device (no float32 copy on the CPU first)."""
+    path = write_random_checkpoint(tmp_path / "m", S.Config(**TINY | {"vocab_size": 260, "eos_token_id": 257}))
+    seen = []
+    real = S.LoopedLM.from_pretrained
+    monkeypatch.setattr(S.LoopedLM, "from_pretrained", lambda *a, **k: seen.append(k) or real(*a, **k))
+    argv = ["train", "--model", str(path), "--dtype", "bfloat16", "--device", "cpu", "--steps", "1"]
+    argv += ["--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--subset", "4"]
+    assert S.main(argv) == 0
+    assert seen == [{"dtype": torch.bfloat16, "device": torch.device("cpu")}]
