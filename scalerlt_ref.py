@@ -2195,6 +2195,70 @@ def check_bench_flags(args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Hardware: is bfloat16 fast here? (bench and train ask once, at start-up)
+# ---------------------------------------------------------------------------------------------------
+
+BF16_SLOW = 3.0  # warn when a bfloat16 matmul is more than this many times slower than a float32 one
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # NOTE: CUDA kernels run asynchronously: time only after this
+
+
+def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
+    """How many times slower bfloat16 matmul is than float32 here, at this model's MLP shape (C -> I), for
+    1 row (a decoding call) and 32 rows (prefill, the learner): measured now, in well under a second at
+    Ouro-1.4B's shapes. Returns {"rows_1": ratio, "rows_32": ratio, "worst": the larger}.
+
+    CPUs without native bf16 (x86 without AVX512_BF16 or AMX) convert in software: an AVX2-only EPYC
+    trained 36x slower in bf16. Tiny shapes pay bf16's larger per-call overhead instead.
+    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads
+    wait for each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul).
+    The ratio is a property of the instruction set, which one thread shows as well as many.
+    """
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
+    calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        ratios = {}
+        for n in (1, 32):
+            x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
+            args = {torch.bfloat16: (x32.bfloat16(), w32.bfloat16()), torch.float32: (x32, w32)}
+            best = {dt: math.inf for dt in args}
+            for round_ in range(6):  # alternate the dtypes, so drift hits both; round 0 warms up
+                for dt, (x, w) in args.items():
+                    _sync(device)
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        F.linear(x, w)
+                    _sync(device)
+                    if round_:
+                        best[dt] = min(best[dt], time.perf_counter() - t)
+            ratios[f"rows_{n}"] = round(best[torch.bfloat16] / best[torch.float32], 2)
+    finally:
+        torch.set_num_threads(threads)
+    ratios["worst"] = max(ratios.values())
+    return ratios
+
+
+def bf16_warning(ratios: dict[str, float]) -> str | None:
+    """A one-line warning when bfloat16 is much slower than float32 here (None when it is not)."""
+    if ratios["worst"] <= BF16_SLOW:
+        return None
+    return (
+        f"warning: a bfloat16 matmul is {ratios['worst']:.1f}x slower than a float32 one on this machine at "
+        f"this model's shapes (1 row: {ratios['rows_1']:.1f}x, 32 rows: {ratios['rows_32']:.1f}x), so --dtype "
+        "float32 will be faster. CPUs without native bfloat16 (on x86: no avx512_bf16 or amx_bf16 in lscpu) "
+        "compute it in software; tiny models pay its larger per-call overhead"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun
 # ---------------------------------------------------------------------------------------------------
 
@@ -2304,6 +2368,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
+    if rank == 0 and model.dtype == torch.bfloat16:
+        slow = bf16_warning(bf16_slowdown(model.config, device))
+        if slow:
+            say(slow)
     if on_start is not None:
         on_start(model, tok)
     ref = None
