@@ -1705,3 +1705,64 @@ def test_bf16_slowdown_is_measured_and_warned_about(tmp_path, monkeypatch, capsy
     out = capsys.readouterr().out
     assert "36.0x slower" in out and "32 rows: 36.0x" in out and "--dtype float32" in out, out
     assert S.main(argv) == 0 and "slower" not in capsys.readouterr().out  # float32: nothing to measure
+
+
+OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                 num_attention_heads=16, num_key_value_heads=16, head_dim=128, total_ut_steps=4,
+                 max_position_embeddings=65536, rope_theta=1000000.0)  # fmt: skip
+
+
+def test_kv_cache_bytes_at_ouro_1_4b():
+    """Ouro-1.4B in bf16 keeps 2 x 16 heads x 128 x 2 bytes x 24 layers x 4 loops = 786,432 bytes of K/V per
+    token: a GRPO batch of 64 x 512 tokens needs ~26 GB for K/V alone (hand computed)."""
+    with torch.device("meta"):  # the shapes only: no 1.4 B parameters in a test
+        cfg = S.Config(**OURO_1_4B)
+        assert sum(p.numel() for p in S.LoopedLM(cfg).parameters()) == 1_434_652_673
+    kv = S.kv_cache_bytes_per_token(cfg, torch.bfloat16)
+    assert kv["kv"] == 786_432 and kv["h_and_depth"] == 2048 * 2 + 8
+    assert round(64 * 512 * kv["kv"] / 1e9, 1) == 25.8
+    assert S.kv_cache_bytes_per_token(cfg, torch.float32)["kv"] == 2 * 786_432
+
+
+def test_rollout_bytes_of_a_prefill_hand_counted():
+    """A one-token dense rollout is R prefill calls over the T prompt rows, one of which reads out: its bytes
+    are R x (layers + final norm + gate) + lm_head + R x T positions of K/V for every layer."""
+    cfg = S.Config(**TINY)
+    model = S.LoopedLM(cfg)
+    T, b = 5, 4
+    ro = S.rollout(model, [list(range(T))], mode="dense", max_new_tokens=1, seed=0)
+    C, I, V, L, R = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers, cfg.total_ut_steps
+    H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layer = 2 * C * H * D + 2 * C * KVH * D + 3 * C * I + 4 * C
+    expect = b * (R * (L * layer + C + C + 1) + V * C + R * T * 2 * KVH * D * L)
+    assert len(ro.schedule.calls) == R and S.rollout_bytes(model, ro) == expect
+
+
+def test_bench_model_on_a_checkpoint(tmp_path, capsys):
+    """`bench --model` runs a checkpoint's shapes: dense and deferred agree, replay is bitwise, and it reports
+    the roofline, the KV cache's bytes per token and what fits, and the peaks of load and run."""
+    cfg = S.Config(**TINY | {"vocab_size": 300})
+    path = write_random_checkpoint(tmp_path / "m", cfg, shards=2)
+    argv = ["bench", "--model", str(path), "--dtype", "float32", "--batch", "2", "--new-tokens", "3"]
+    argv += ["--repeats", "1", "--gate-bias", "1.0", "--exit-threshold", "0.7", "--memory-gb", "1"]
+    assert S.main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["same_tokens_b2_fp32"] and summary["replay_bitwise_fp32"], out
+    assert 0 < summary["roofline_dense_b2_fp32"] and 0 < summary["roofline_deferred_b2_fp32"], out
+    assert summary["kv_bytes_per_token_fp32"] == S.kv_cache_bytes_per_token(cfg, torch.float32)["kv"]
+    assert summary["peak_run_mb_fp32"] >= summary["peak_load_mb_fp32"] > 0 and summary["bandwidth_gb_s"] > 0
+    assert "no GRPO step" in out and "roofline b=2" in out and "KV cache memory" in out and "1.00 GB less" in out
+    assert "bf16 / fp32" not in out  # float32 only: nothing to compare
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
+     ("--exit-threshold", "nan"), ("--new-tokens", "0"), ("--model", "/no/such/folder")],
+)  # fmt: skip
+def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
+    """Every bench flag is checked before any loading or measuring: exit 2, one line naming the flag."""
+    rc, err = _run(capsys, ["bench", flag, value])
+    assert rc == 2
+    _one_line_error(err, flag)
