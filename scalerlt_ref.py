@@ -1633,12 +1633,28 @@ def _all_finite(x: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
+def _meta_model(cfg: Config) -> LoopedLM:
+    """A model of shapes only, on the meta device: no memory, no random init (LoopedLM skips it there).
+    NOTE: nn.Embedding still draws its own init, and torch runs normal_ on the meta device through its
+    Python reference kernels, importing its compiler on first use (measured: 3 s and 60 MB); that draw
+    would be thrown away, so it is skipped while the model is built."""
+    normal_ = nn.init.normal_
+    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        with torch.device("meta"):
+            return LoopedLM(cfg)
+    finally:
+        nn.init.normal_ = normal_
+
+
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
     """A model whose parameters are allocated once, in `dtype` on `device`, and left uninitialised: built
-    on the meta device (shapes only: no random init, no memory), then given memory. Fill it before use."""
-    with torch.device("meta"):
-        model = LoopedLM(cfg)
-    return model.to(dtype=dtype).to_empty(device=device)
+    on the meta device (shapes only), then given memory. Fill it before use."""
+    model = _meta_model(cfg)
+    for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
+    return model
 
 
 @torch.no_grad()
@@ -1672,8 +1688,7 @@ def load_checkpoint(
     )
     if not_float:  # a cast would make up weights
         raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in LoopedLM(cfg).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in _meta_model(cfg).state_dict().items()}
     source = {k: k for k in expected if k in stored}  # parameter -> the stored tensor that fills it
     if cfg.tie_word_embeddings and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
         source["lm_head.weight"] = "model.embed_tokens.weight"
