@@ -1766,3 +1766,16 @@ def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
     rc, err = _run(capsys, ["bench", flag, value])
     assert rc == 2
     _one_line_error(err, flag)
+
+
+def test_fast_finiteness_check_is_exact():
+    """The loader's finiteness check sums first: a sum that overflows from finite values must not refuse a
+    checkpoint, and a NaN or infinity anywhere must be found, in every float dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        big = torch.finfo(dtype).max
+        assert S._all_finite(torch.tensor([big, big, 1.0], dtype=dtype))  # the sum overflows; all are finite
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.ones(1000, dtype=dtype)
+            x[617] = bad
+            assert not S._all_finite(x), (dtype, bad)
+        assert not S._all_finite(torch.tensor([big, -float("inf")], dtype=dtype))
