@@ -3149,14 +3149,17 @@ def cmd_bench(args) -> int:
                     f"{100 * fraction['deferred']:.0f}% (deferred) of the bound",
                 )
             )
-        # Replay against rollout (deferred, the largest batch; toy: batch 8), and the dense rollout's replay.
-        batch = prompts[: max(batches)] if real else prompts[:8]
-        rt, rp = [], []
+        # Replay against rollout (deferred; toy: batch 8), and the dense rollout's replay. With --model the
+        # rollouts timed above serve (the last batch size's): at 1.4 B parameters each one costs seconds.
+        batch = prompts[:B] if real else prompts[:8]
+        rt, rp = (times["deferred"], []) if real else ([], [])
         for _ in range(args.repeats):
-            dt, ro = timed(lambda: sample(model, batch, "deferred"))
-            rt.append(dt)
-            dt, replay = timed(lambda: replay_logprobs(model, ro))
+            if not real:
+                dt, ro_def = timed(lambda: sample(model, batch, "deferred"))
+                rt.append(dt)
+            dt, replay = timed(lambda: replay_logprobs(model, ro_def))
             rp.append(dt)
+        ro = ro_def
         ratio = statistics.median(rp) / statistics.median(rt)
         bitwise = torch.equal(replay, ro.logprobs)
         bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
@@ -3172,14 +3175,14 @@ def cmd_bench(args) -> int:
         # The learner: teacher-forced forward + backward, and (toy) a whole GRPO step split in three.
         tokens = int(ro.mask.sum())
         fb = []
-        for _ in range(args.repeats):
+        for _ in range(1 if real else args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
             model.zero_grad()
             dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
             fb.append(dt)
         learner = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
         if real:
             model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
-            learner += "; no GRPO step with --model (AdamW's state would be two more copies of the weights)"
+            learner += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
             t_learn, _ = timed(
@@ -3276,8 +3279,9 @@ def cmd_bench(args) -> int:
     )
     if real:
         print(
-            "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the KV-cache "
-            "comparison runs the short prompt + --new-tokens, not --cache-prompt + --cache-tokens)"
+            "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
+            "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
+            "--new-tokens, not --cache-prompt + --cache-tokens)"
         )
     for dt_name, what, text in rows:
         print(f"  {dt_name:<9} {what:<26} {text}")
