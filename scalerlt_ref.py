@@ -378,6 +378,8 @@ class LoopedLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         gen = torch.Generator().manual_seed(seed)  # a dedicated generator: init never touches global RNG
         for name, param in self.named_parameters():
+            if param.is_meta:  # built on the meta device (shapes only) to be filled from a checkpoint: no init
+                break
             if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
                 continue  # norms start at 1
             with torch.no_grad():
@@ -1661,24 +1663,136 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(wm.values()))
 
 
-def _check_float_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse a checkpoint with non-floating-point or non-finite tensors, listing them (a cast would hide
-    the first, and the second makes every log-prob NaN, which no comparison should count as agreement)."""
-    not_float = sorted(
-        f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if not v.is_floating_point()
-    )
-    if not_float:
-        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
-    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
-    if non_finite:
-        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+# safetensors' dtype names, as torch dtypes (a tensor of any other dtype is refused: torch cannot hold it)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
+@dataclass
+class _StoredTensor:
+    """Where one tensor lies in a safetensors file: what its header says, nothing read yet."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset of its data in the file
+    nbytes: int
+
+
+def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
+    """The tensors of one safetensors file, from its header alone.
+
+    safetensors validates the file first (header, dtypes, offsets, sizes; it maps the file without reading
+    its data), so a corrupt file gets the error message it always got; then the header is read again here
+    for the byte offsets, which safetensors does not expose.
+    """
+    st = _safetensors()
+    try:
+        with st.safe_open(str(file), framework="pt"):
+            pass
+        with open(file, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except Exception as e:  # a missing shard or a corrupt file: name it
+        raise ValueError(f"{file}: cannot read safetensors ({e})") from None
+    header.pop("__metadata__", None)
+    out = {}
+    for name, t in header.items():
+        if t["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: cannot read safetensors (tensor {name!r} has dtype {t['dtype']})")
+        begin, end = t["data_offsets"]
+        out[name] = _StoredTensor(file, _SAFETENSORS_DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + begin, end - begin)
+    return out
+
+
+def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
+    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order.
+
+    A tensor is read straight into `into[name]` when given (a contiguous CPU tensor of the stored dtype
+    and shape: no copy at all), else into a new CPU tensor that the caller drops before the next.
+    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory
+    until it is closed, which would add a whole shard to the peak.
+    """
+    by_file: dict[Path, list[str]] = {}
+    for name, t in stored.items():
+        by_file.setdefault(t.file, []).append(name)
+    for file, names in by_file.items():
+        with open(file, "rb") as fh:
+            for name in sorted(names, key=lambda k: stored[k].start):
+                t = stored[name]
+                out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
+                buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())  # its memory, as bytes
+                fh.seek(t.start)
+                got = 0
+                while got < t.nbytes:  # NOTE: one read returns at most ~2 GB on Linux
+                    n = fh.readinto(buf[got:])
+                    if not n:
+                        raise ValueError(f"{file}: cannot read safetensors (the file ends inside {name!r})")
+                    got += n
+                yield name, out
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and summing is ~100x
+    faster than isfinite on CPU (measured on bf16: 0.01 s against 2 s for 50 M elements). Only a sum that is
+    not finite (a NaN or infinity, or finite values overflowing) is checked element by element, in slices
+    (the whole tensor's mask would be one more byte per element)."""
+    return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
+
+
+def _meta_model(cfg: Config) -> LoopedLM:
+    """A model of shapes only, on the meta device: no memory, no random init (LoopedLM skips it there).
+    NOTE: nn.Embedding still draws its own init, and torch runs normal_ on the meta device through its
+    Python reference kernels, importing its compiler on first use (measured: 3 s and 60 MB); that draw
+    would be thrown away, so it is skipped while the model is built."""
+    normal_ = nn.init.normal_
+    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    try:
+        with torch.device("meta"):
+            return LoopedLM(cfg)
+    finally:
+        nn.init.normal_ = normal_
+
+
+def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
+    """A model whose parameters are allocated once, in `dtype` on `device`, and left uninitialised: built
+    on the meta device (shapes only), then given memory. Fill it before use."""
+    model = _meta_model(cfg)
+    for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
+        for name, p in module.named_parameters(recurse=False):
+            setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
+    return model
+
+
+@torch.no_grad()
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index)."""
-    st = _safetensors()
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index).
+
+    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from
+    the file straight into its parameter when the dtypes agree, else through one temporary tensor and the
+    same cast as ever (so a float64 file keeps its bits in a float64 model). Peak memory: the model plus
+    the largest tensor. Refused with every culprit listed, in this order: tensors that are not floating
+    point, tensors holding NaN or infinities, then missing, unexpected and misshapen tensors.
+    NOTE: that order is the one the checks always had, so a checkpoint with several faults gets the same
+    message as before; it costs a read of every tensor before a name mismatch is reported.
+    """
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -1688,34 +1802,49 @@ def load_checkpoint(
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors = {}
+    stored: dict[str, _StoredTensor] = {}
     for f in files:
-        try:
-            tensors.update(st.load_file(str(path / f)))
-        except Exception as e:  # a missing shard or a corrupt file: name it
-            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
-    _check_float_tensors(tensors, path)
-    model = LoopedLM(cfg)
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    tensors.pop("model.rotary_emb.inv_freq", None)  # some exports carry RoPE's buffer; it is recomputed
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(
-        f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
-        for k in set(expected) & set(tensors)
-        if tensors[k].shape != expected[k].shape
+        stored.update(_stored_tensors(path / f))  # a name in two shards: the later file's tensor, as ever
+    not_float = sorted(
+        f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
-    if missing or unexpected or misshapen:
+    if not_float:  # a cast would make up weights
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    expected = {k: tuple(v.shape) for k, v in _meta_model(cfg).state_dict().items()}
+    source = {k: k for k in expected if k in stored}  # parameter -> the stored tensor that fills it
+    if cfg.tie_word_embeddings and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
+        source["lm_head.weight"] = "model.embed_tokens.weight"
+    missing = sorted(set(expected) - set(source))
+    unexpected = sorted(set(stored) - set(expected) - {"model.rotary_emb.inv_freq"})  # RoPE's buffer: recomputed
+    misshapen = sorted(
+        f"{k}: {stored[s].shape} in the file, {expected[k]} expected"
+        for k, s in source.items()
+        if stored[s].shape != expected[k]
+    )
+    bad_names = missing or unexpected or misshapen
+    model = None if bad_names else empty_model(cfg, dtype, device)
+    params = model.state_dict() if model else {}  # these share memory with the parameters
+    users: dict[str, list[torch.Tensor]] = {}  # stored tensor -> the parameters it fills
+    for k, s in source.items():
+        users.setdefault(s, []).extend([params[k]] if params else [])
+    # read straight into the parameter where it has the stored dtype and lies on the CPU
+    direct = {s: ps[0] for s, ps in users.items() if ps and ps[0].dtype == stored[s].dtype and ps[0].is_cpu}
+    non_finite = []
+    for name, x in _read_stored(stored, direct):
+        if not _all_finite(x):  # NaN makes every log-prob NaN, which no comparison should count as agreement
+            non_finite.append(name)
+        for p in users.get(name, []):
+            if p is not x:
+                p.copy_(x)  # the cast to `dtype` and the move to `device`
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
+    if bad_names:
         raise ValueError(
             f"{path}: checkpoint does not match its config.json:\n"
             f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
             f"  misshapen tensors: {misshapen}"
         )
-    model = model.to(dtype=dtype)  # NOTE: cast the empty model, then load: a float64 file keeps its bits
-    model.load_state_dict(tensors)
-    return model.to(device=device)
+    return model
 
 
 # The HF-style entry points of the model, attached here so that the model's section needs nothing
@@ -2048,6 +2177,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
+MAX_BENCH_BATCH = 4096  # the bench draws this many prompts at most
 
 
 def _want(args, name: str, ok: bool, want: str) -> None:
@@ -2227,9 +2357,81 @@ def check_bench_flags(args) -> None:
     """Every `bench` flag, before any work."""
     _int_flags(args, 1, MAX_COUNT, "new_tokens", "cache_tokens", "cache_prompt", "repeats")
     _int_flags(args, 0, MAX_SEED, "seed")
-    _real_flag(args, "gate_bias", -math.inf)
+    _want(
+        args,
+        "batch",
+        args.batch is None or (isinstance(args.batch, int) and 1 <= args.batch <= MAX_BENCH_BATCH),
+        f"an integer in 1..{MAX_BENCH_BATCH:,}",
+    )
+    _real_flag(args, "gate_bias", -math.inf, optional=True)
+    _real_flag(args, "exit_threshold", -math.inf, optional=True)
+    _real_flag(args, "memory_gb", 0.0, lo_open=True, optional=True)
     _check_device(args)
-    _check_path(args.config, "file", "--config")
+    _check_model_source(args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hardware: is bfloat16 fast here? (bench and train ask once, at start-up)
+# ---------------------------------------------------------------------------------------------------
+
+BF16_SLOW = 3.0  # warn when a bfloat16 matmul is more than this many times slower than a float32 one
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # NOTE: CUDA kernels run asynchronously: time only after this
+
+
+def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
+    """How many times slower bfloat16 matmul is than float32 here, at this model's MLP shape (C -> I), for
+    1 row (a decoding call) and 32 rows (prefill, the learner): measured now, in well under a second at
+    Ouro-1.4B's shapes. Returns {"rows_1": ratio, "rows_32": ratio, "worst": the larger}.
+
+    CPUs without native bf16 (x86 without AVX512_BF16 or AMX) convert in software: an AVX2-only EPYC
+    trained 36x slower in bf16. Tiny shapes pay bf16's larger per-call overhead instead.
+    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads
+    wait for each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul).
+    The ratio is a property of the instruction set, which one thread shows as well as many.
+    """
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)
+    w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
+    calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        ratios = {}
+        for n in (1, 32):
+            x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
+            args = {torch.bfloat16: (x32.bfloat16(), w32.bfloat16()), torch.float32: (x32, w32)}
+            best = {dt: math.inf for dt in args}
+            for round_ in range(6):  # alternate the dtypes, so drift hits both; round 0 warms up
+                for dt, (x, w) in args.items():
+                    _sync(device)
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        F.linear(x, w)
+                    _sync(device)
+                    if round_:
+                        best[dt] = min(best[dt], time.perf_counter() - t)
+            ratios[f"rows_{n}"] = round(best[torch.bfloat16] / best[torch.float32], 2)
+    finally:
+        torch.set_num_threads(threads)
+    ratios["worst"] = max(ratios.values())
+    return ratios
+
+
+def bf16_warning(ratios: dict[str, float]) -> str | None:
+    """A one-line warning when bfloat16 is much slower than float32 here (None when it is not)."""
+    if ratios["worst"] <= BF16_SLOW:
+        return None
+    return (
+        f"warning: a bfloat16 matmul is {ratios['worst']:.1f}x slower than a float32 one on this machine at "
+        f"this model's shapes (1 row: {ratios['rows_1']:.1f}x, 32 rows: {ratios['rows_32']:.1f}x), so --dtype "
+        "float32 will be faster. CPUs without native bfloat16 (on x86: no avx512_bf16 or amx_bf16 in lscpu) "
+        "compute it in software; tiny models pay its larger per-call overhead"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2330,7 +2532,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     out = Path(cfg.out) if cfg.out else None
     if cfg.resume and not (out / "trainer_state.pt").exists():
         raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
-    model, tok = _load_policy(cfg)
+    model, tok = _load_policy(cfg, device)
     problems = _load_problems(cfg, tok, model.config)
     grpo = cfg.grpo()
     start_step, opt_state, ref_state = 0, None, None
@@ -2339,15 +2541,19 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
-    model = model.to(dtype=DTYPES[cfg.dtype], device=device)
+    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
     opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
     if opt_state is not None:
         opt.load_state_dict(opt_state)
+    if rank == 0 and model.dtype == torch.bfloat16:
+        slow = bf16_warning(bf16_slowdown(model.config, device))
+        if slow:
+            say(slow)
     if on_start is not None:
         on_start(model, tok)
     ref = None
     if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
-        ref = LoopedLM(model.config).to(dtype=model.dtype, device=device)
+        ref = empty_model(model.config, model.dtype, device)
         ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
     if out:
         _truncate_logs(out, rank, start_step, say)
@@ -2441,10 +2647,11 @@ def _train_step(
     return m
 
 
-def _load_policy(cfg: TrainConfig):
-    """The model (float32, CPU: cast after the warm start) and its tokenizer."""
+def _load_policy(cfg: TrainConfig, device: torch.device):
+    """The model and its tokenizer. A checkpoint loads straight into --dtype on `device`; a config's random
+    model stays float32 on the CPU for its warm start and is cast afterwards."""
     if cfg.model:
-        model = LoopedLM.from_pretrained(cfg.model, dtype=torch.float32, device="cpu")
+        model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
         tok_path = Path(cfg.model) / "tokenizer.json"
         tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
     else:
@@ -3302,45 +3509,162 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: of resident memory (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and,
+    on CUDA, of allocated device memory."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not allowed: the peak then runs from the start of the process
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_resident_bytes() -> int:
+    """Peak resident memory since the last `_reset_peak_memory` (VmHWM), interpreter and torch included."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB (macOS bytes)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
+    """Memory bandwidth in bytes/s: the best of 5 copies of a 256 MiB buffer, each byte counted once read
+    and once written (STREAM's convention). The roofline's bound: decoding reads every weight per call."""
+    src = torch.ones(nbytes // 4, device=device)  # (n,) float32
+    dst = torch.empty_like(src)
+    best = math.inf
+    for i in range(6):  # copy 0 warms up (page faults)
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
+    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, and the
+    position's latest loop output h and its depth. At Ouro-1.4B in bf16: K/V 2 x 16 heads x 128 x 2 bytes
+    x 24 layers x 4 loops = 786,432 bytes, so 64 sequences x 512 positions need ~26 GB for K/V alone."""
+    b = dtype.itemsize
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
+    return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
+
+
+def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
+    """Bytes of weights and K/V that a rollout's calls read, from its schedule (a lower bound on its memory
+    traffic): every call reads the L layers' weights, the final norm and the exit gate; a call with rows to
+    read out also reads lm_head; attention reads K and V of every layer at positions up to the call's last
+    one, for each sequence in the call."""
+    cfg, b = model.config, model.dtype.itemsize
+    body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
+    per_call = b * sum(p.numel() for m in body for p in m.parameters())
+    head = b * model.lm_head.weight.numel()
+    kv_position = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers
+    total = 0
+    for c in ro.schedule.calls:
+        Tk = max(p for _, p in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
+        total += per_call + (head if c.readout else 0) + len({s for s, _ in c.rows}) * Tk * kv_position
+    return total
+
+
+def _fmt_bytes(n: float) -> str:
+    return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
+
+
+def _memory_total(args, device: torch.device) -> int:
+    """--memory-gb, else the device's memory (CUDA) or the machine's physical memory (CPU), in bytes."""
+    if args.memory_gb is not None:
+        return int(args.memory_gb * 1e9)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
-    removes, in bfloat16 and float32. Alternating repeats, medians."""
+    removes, in bfloat16 and float32 (or --dtype). Alternating repeats, medians. Also: the roofline (the
+    memory bandwidth a rollout reaches against a measured copy), the KV cache's bytes per token and what
+    fits in memory, peak memory of the load and of the run, and bf16 against float32 matmul speed.
+
+    --model DIR benches a real checkpoint's shapes (loaded lean); there the whole GRPO step is skipped (its
+    AdamW state is two more copies of the weights) and the KV-cache comparison shrinks to the short prompt
+    and --new-tokens. The output says so.
+    """
     check_bench_flags(args)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = load_config(args.config)
-    base = LoopedLM(cfg, seed=args.seed)
-    with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes most tokens exit early
-        base.model.early_exit_gate.bias.fill_(args.gate_bias)
+    real = args.model is not None
+    cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
+    dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
+    batches = (args.batch,) if args.batch else ((1,) if real else (1, 8))
+    threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
+    gate_bias = 1.0 if args.gate_bias is None and not real else args.gate_bias  # None: the checkpoint's own
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [
-        torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(8, 17, (8,), generator=gen)
+        torch.randint(0, min(256, cfg.vocab_size), (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 17, (max(8, *batches),), generator=gen)
     ]
-    cache_prompt = torch.randint(0, 256, (args.cache_prompt,), generator=gen).tolist()
+    cache_prompt = torch.randint(0, min(256, cfg.vocab_size), (args.cache_prompt,), generator=gen).tolist()
     R, N = cfg.total_ut_steps, args.new_tokens
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    memory = _memory_total(args, device)
+    bandwidth = copy_bandwidth(device)  # before any model, so its buffers count in no phase's peak
+    slowdown = bf16_slowdown(cfg, device) if "bfloat16" in dtypes else None
 
     def timed(fn):
-        sync()
+        _sync(device)
         t = time.perf_counter()
         res = fn()
-        sync()
+        _sync(device)
         return time.perf_counter() - t, res
 
-    summary: dict = {}
+    def set_gate_bias(model):
+        if gate_bias is not None:
+            with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
+                model.model.early_exit_gate.bias.fill_(gate_bias)
+
+    def sample(model, batch, mode):
+        return rollout(model, batch, mode=mode, max_new_tokens=N, seed=args.seed, exit_threshold=threshold)
+
+    base = None if real else LoopedLM(cfg, seed=args.seed)
+    if base is not None:
+        set_gate_bias(base)
+    summary: dict = {"bandwidth_gb_s": round(bandwidth / 1e9, 2)}
     rows = []
-    for dtype_name in ("bfloat16", "float32"):
-        model = LoopedLM(cfg).to(dtype=DTYPES[dtype_name], device=device)
-        model.load_state_dict(base.state_dict())
+    if slowdown is not None:
+        summary["bf16_over_fp32_matmul"] = slowdown["worst"]
+        rows.append(
+            (
+                "bfloat16",
+                "bf16 / fp32 matmul",
+                f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)",
+            )
+        )
+        if bf16_warning(slowdown):
+            rows.append(("bfloat16", "", bf16_warning(slowdown)))
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
         suffix = "" if dtype_name == "bfloat16" else "_fp32"
-        for B in (1, 8):
+        _reset_peak_memory(device)
+        if real:
+            t_load, model = timed(lambda: LoopedLM.from_pretrained(args.model, dtype=dtype, device=device))
+            set_gate_bias(model)
+        else:
+            t_load, model = timed(lambda: LoopedLM(cfg).to(dtype=dtype, device=device))
+            model.load_state_dict(base.state_dict())
+        peak_load = _peak_resident_bytes()
+        peak_load_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        _reset_peak_memory(device)
+        for B in batches:
             batch = prompts[:B]
-            run = {
-                m: (lambda m=m: rollout(model, batch, mode=m, max_new_tokens=N, seed=args.seed))
-                for m in ("dense", "deferred")
-            }
+            run = {m: (lambda m=m: sample(model, batch, m)) for m in ("dense", "deferred")}
             run["deferred"]()  # warm-up
             times = {"dense": [], "deferred": []}
             for _ in range(args.repeats):  # alternate, so drift hits both alike
@@ -3356,8 +3680,10 @@ def cmd_bench(args) -> int:
             speedup = med["dense"] / med["deferred"]
             ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
             mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
+            same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
             summary[f"speedup_b{B}{suffix}"] = round(speedup, 3)
             summary[f"ideal_b{B}{suffix}"] = round(ideal, 3)
+            summary[f"same_tokens_b{B}{suffix}"] = same
             rows.append(
                 (
                     dtype_name,
@@ -3365,54 +3691,79 @@ def cmd_bench(args) -> int:
                     f"dense {tokens / med['dense']:.1f} tok/s, deferred "
                     f"{tokens / med['deferred']:.1f} tok/s: x{speedup:.2f} (ideal x{ideal:.2f}, "
                     f"{100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops "
-                    f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}",
+                    f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; "
+                    f"same tokens and exit loops: {same}",
                 )
             )
-        # Replay against rollout (deferred, batch 8).
-        batch = prompts
-        rt, rp = [], []
+            # The roofline: decoding reads every weight once per call, so a rollout can go no faster than its
+            # bytes / the copy bandwidth. Prefill is included (short prompts: a few calls of a few rows).
+            fraction = {}
+            for m, ro in (("dense", ro_dense), ("deferred", ro_def)):
+                fraction[m] = rollout_bytes(model, ro) / med[m] / bandwidth
+                summary[f"roofline_{m}_b{B}{suffix}"] = round(fraction[m], 3)
+            rows.append(
+                (
+                    dtype_name,
+                    f"roofline b={B}",
+                    f"reads per token (weights + KV, prefill included): dense "
+                    f"{_fmt_bytes(rollout_bytes(model, ro_dense) / tokens)}, deferred "
+                    f"{_fmt_bytes(rollout_bytes(model, ro_def) / tokens)}; at the copy bandwidth "
+                    f"{bandwidth / 1e9:.1f} GB/s that is {100 * fraction['dense']:.0f}% (dense) and "
+                    f"{100 * fraction['deferred']:.0f}% (deferred) of the bound",
+                )
+            )
+        # Replay against rollout (deferred; toy: batch 8), and the dense rollout's replay. With --model the
+        # rollouts timed above serve (the last batch size's): at 1.4 B parameters each one costs seconds.
+        batch = prompts[:B] if real else prompts[:8]
+        rt, rp = (times["deferred"], []) if real else ([], [])
         for _ in range(args.repeats):
-            dt, ro = timed(lambda: rollout(model, batch, mode="deferred", max_new_tokens=N, seed=args.seed))
-            rt.append(dt)
-            dt, replay = timed(lambda: replay_logprobs(model, ro))
+            if not real:
+                dt, ro_def = timed(lambda: sample(model, batch, "deferred"))
+                rt.append(dt)
+            dt, replay = timed(lambda: replay_logprobs(model, ro_def))
             rp.append(dt)
+        ro = ro_def
         ratio = statistics.median(rp) / statistics.median(rt)
+        bitwise = torch.equal(replay, ro.logprobs)
+        bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
         summary[f"replay_over_rollout{suffix}"] = round(ratio, 3)
+        summary[f"replay_bitwise{suffix}"] = bitwise and bitwise_dense
         rows.append(
             (
                 dtype_name,
                 "replay / rollout",
-                f"{ratio:.3f} (replay equals the rollout bitwise: {torch.equal(replay, ro.logprobs)})",
+                f"{ratio:.3f} (replay equals the rollout bitwise: {bitwise}; the dense rollout's: {bitwise_dense})",
             )
         )
-        # The learner: teacher-forced forward + backward, and a whole GRPO step split in three.
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        # The learner: teacher-forced forward + backward, and (toy) a whole GRPO step split in three.
         tokens = int(ro.mask.sum())
         fb = []
-        for _ in range(args.repeats):
+        for _ in range(1 if real else args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
             model.zero_grad()
             dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
             fb.append(dt)
-        t_learn, _ = timed(
-            lambda: grpo_update(
-                model,
-                opt,
-                ro,
-                torch.arange(len(batch), dtype=torch.float32) % 2,
-                GRPOConfig(group_size=2, check_replay=True),
+        learner = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
+        if real:
+            model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
+            learner += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            t_learn, _ = timed(
+                lambda: grpo_update(
+                    model,
+                    opt,
+                    ro,
+                    torch.arange(len(batch), dtype=torch.float32) % 2,
+                    GRPOConfig(group_size=2, check_replay=True),
+                )
             )
-        )
-        t_opt, _ = timed(opt.step)  # the optimizer alone, on the gradients the update left
-        model.load_state_dict(base.state_dict())  # undo the updates: later figures use the rollout's weights
-        rows.append(
-            (
-                dtype_name,
-                "learner",
-                f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} "
-                f"ms/token; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
-                f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s",
+            t_opt, _ = timed(opt.step)  # the optimizer alone, on the gradients the update left
+            model.load_state_dict(base.state_dict())  # undo the updates: later figures use the rollout's weights
+            learner += (
+                f"; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
+                f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"
             )
-        )
+        rows.append((dtype_name, "learner", learner))
         # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
         with torch.no_grad():
             naive = teacher_forced_logprobs(model, ro)
@@ -3431,12 +3782,14 @@ def cmd_bench(args) -> int:
             )
         )
         # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
-        # GSM8K-sized prompt and for the short bench prompt.
-        n_cache = args.cache_tokens
-        for name, prompt in (("", cache_prompt), ("_short", prompts[0])):
-            t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, cfg.early_exit_threshold))
+        # GSM8K-sized prompt and for the short bench prompt (--model: the short one, --new-tokens only).
+        n_cache = N if real else args.cache_tokens
+        for name, prompt in (("_short", prompts[0]),) if real else (("", cache_prompt), ("_short", prompts[0])):
+            t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, threshold))
             t_cached, ro_c = timed(
-                lambda: rollout(model, [prompt], mode="dense", max_new_tokens=n_cache, temperature=0.0)
+                lambda: rollout(
+                    model, [prompt], mode="dense", max_new_tokens=n_cache, temperature=0.0, exit_threshold=threshold
+                )
             )
             summary[f"cache_speedup{name}{suffix}"] = round(t_rec / t_cached, 2)
             rows.append(
@@ -3447,11 +3800,52 @@ def cmd_bench(args) -> int:
                     f"{t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}",
                 )
             )
+        # Memory: the cache per token and what fits beside the weights; the peaks of the load and of the run.
+        kv = kv_cache_bytes_per_token(cfg, dtype)
+        lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
+        fit = max(0, memory - weights) // kv["total"]
+        summary[f"kv_bytes_per_token{suffix}"] = kv["kv"]
+        rows.append(
+            (
+                dtype_name,
+                "KV cache memory",
+                f"{kv['kv']:,} bytes per token (2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
+                f"{dtype.itemsize} bytes x {cfg.num_hidden_layers} layers x {R} loops) + {kv['h_and_depth']:,} "
+                f"(h, depth); 64 x 512 tokens: {_fmt_bytes(64 * 512 * kv['total'])}; {_fmt_bytes(memory)} less "
+                f"{_fmt_bytes(weights)} of weights holds {fit:,} tokens: "
+                + ", ".join(f"batch {fit // T:,} x {T}" for T in lengths),
+            )
+        )
+        peak_run = _peak_resident_bytes()
+        summary[f"load_seconds{suffix}"] = round(t_load, 2)
+        summary[f"peak_load_mb{suffix}"] = round(peak_load / 2**20, 1)
+        summary[f"peak_run_mb{suffix}"] = round(peak_run / 2**20, 1)
+        on_device = ""
+        if device.type == "cuda":
+            peak_run_device = torch.cuda.max_memory_allocated(device)
+            on_device = f"; on {device}: load {_fmt_bytes(peak_load_device)}, run {_fmt_bytes(peak_run_device)}"
+        rows.append(
+            (
+                dtype_name,
+                "memory",
+                f"weights {_fmt_bytes(weights)}; load {t_load:.1f}s, peak resident {_fmt_bytes(peak_load)} "
+                f"(x{peak_load / weights:.2f} the weights; interpreter and torch included); run: peak resident "
+                f"{_fmt_bytes(peak_run)}{on_device}",
+            )
+        )
+        model = ro = ro_dense = ro_def = None  # freed before the next dtype loads
     summary["peak_memory_mb"] = round(_peak_memory_mb(device), 1)
     print(
-        f"bench: {args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), {device}, "
-        f"{torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, gate bias {args.gate_bias}"
+        f"bench: {args.model if real else args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), "
+        f"{device}, {torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, "
+        f"gate bias {'unchanged' if gate_bias is None else gate_bias}, exit threshold {threshold}"
     )
+    if real:
+        print(
+            "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
+            "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
+            "--new-tokens, not --cache-prompt + --cache-tokens)"
+        )
     for dt_name, what, text in rows:
         print(f"  {dt_name:<9} {what:<26} {text}")
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
@@ -3714,8 +4108,12 @@ def build_parser():
         "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
         "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.",
     )
-    bp.add_argument("--config", default=str(CONFIGS / "bench.json"), help="model config")
-    bp.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    src = bp.add_mutually_exclusive_group()
+    src.add_argument("--config", default=str(CONFIGS / "bench.json"), help="model config (a random model)")
+    src.add_argument("--model", help="HF Ouro checkpoint folder: bench its shapes (no GRPO step; a short cache test)")
+    bp.add_argument("--dtype", choices=("both", "bfloat16", "float32"), default="both", help="model dtype(s)")
+    bp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    bp.add_argument("--batch", type=int, help="rollout batch size (default: 1 and 8; with --model, 1)")
     bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
     bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
     bp.add_argument(
@@ -3726,7 +4124,17 @@ def build_parser():
         "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too",
     )
     bp.add_argument("--repeats", type=int, default=3, help="alternating repeats (medians are reported)")
-    bp.add_argument("--gate-bias", type=float, default=1.0, help="exit-gate bias set on the random model")
+    bp.add_argument(
+        "--gate-bias",
+        type=float,
+        help="set the exit gate's bias (default: 1.0 on the random model, the checkpoint's own with --model)",
+    )
+    bp.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
+    bp.add_argument(
+        "--memory-gb",
+        type=float,
+        help="memory for the KV-cache fit (default: the GPU's, or this machine's physical memory)",
+    )
     bp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
     return parser
 

@@ -2511,3 +2511,299 @@ def test_new_flags_refused_before_any_work(tmp_path, capsys, command, flag, valu
     else:
         _one_line_error(err, flag)
     assert rc == 2 and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real-size checkpoints (issue 12)
+# ---------------------------------------------------------------------------------------------------
+
+
+def write_random_checkpoint(
+    path: Path, cfg: S.Config, *, shards: int = 2, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Path:
+    """An HF-layout checkpoint of random weights with `cfg`'s shapes, written shard by shard (only one
+    shard's tensors in memory at a time, so Ouro-1.4B's shapes fit beside the model being measured).
+
+    Weights ~ N(0, initializer_range), norms 1 + N(0, 0.1), the exit gate's bias 0; every tensor is drawn
+    in float32 from one seeded generator, then cast to `dtype`. Returns `path`.
+    """
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in S.LoopedLM(cfg).state_dict().items()}
+    names = list(shapes)
+    gen = torch.Generator().manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(S.config_to_hf(cfg) | {"torch_dtype": str(dtype)[6:]}))
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)] if shards > 1 else None
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        tensors = {}
+        for k in part:
+            x = torch.randn(shapes[k], generator=gen)
+            if "norm" in k:
+                x = 1 + 0.1 * x
+            elif k.endswith("bias"):
+                x = torch.zeros(shapes[k])
+            else:
+                x *= cfg.initializer_range
+            tensors[k] = x.to(dtype)
+        name = files[i] if files else "model.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map |= {k: name for k in part}
+        del tensors
+    if files:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def _load_before_issue_12(path, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
+    """The slow twin: `from_pretrained` as it was before issue 12 (commit b82ad9d), its messages verbatim.
+    It reads every shard whole, builds a random float32 model, casts it, then copies the tensors in."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = S.load_config(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    files = S._index_shards(index) if index.exists() else ["model.safetensors"]
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(path / f)))
+        except Exception as e:
+            raise ValueError(f"{path / f}: cannot read safetensors ({e})") from None
+    not_float = sorted(
+        f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items() if not v.is_floating_point()
+    )
+    if not_float:
+        raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
+    non_finite = sorted(k for k, v in tensors.items() if not bool(torch.isfinite(v).all()))
+    if non_finite:
+        raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {non_finite}")
+    model = S.LoopedLM(cfg)
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    tensors.pop("model.rotary_emb.inv_freq", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(
+        f"{k}: {tuple(tensors[k].shape)} in the file, {tuple(expected[k].shape)} expected"
+        for k in set(expected) & set(tensors)
+        if tensors[k].shape != expected[k].shape
+    )
+    if missing or unexpected or misshapen:
+        raise ValueError(
+            f"{path}: checkpoint does not match its config.json:\n"
+            f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
+            f"  misshapen tensors: {misshapen}"
+        )
+    model = model.to(dtype=dtype)
+    model.load_state_dict(tensors)
+    return model
+
+
+def _assert_same_parameters(a: S.LoopedLM, b: S.LoopedLM) -> None:
+    assert a.config == b.config
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(sa[k], sb[k]), f"{k}: max |diff| = {maxdiff(sa[k], sb[k]):.3e}"
+
+
+_FILE_DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
+
+
+@examples(12)
+@given(
+    file_dtype=st.sampled_from(_FILE_DTYPES),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    shards=between(1, 3),
+    tied=st.booleans(),
+    inv_freq=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_lean_load_equals_the_old_load(tmp_path_factory, file_dtype, dtype, shards, tied, inv_freq, seed):
+    """The lean load gives bit for bit the parameters the old one gave: float64 and float16 files cast
+    once to the model dtype, a tied head filled from the embedding, RoPE's exported buffer skipped."""
+    cfg = S.Config(**TINY | {"tie_word_embeddings": tied})
+    path = write_random_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, shards=shards, dtype=file_dtype, seed=seed)
+    if tied or inv_freq:  # rewrite the last shard: the head dropped (tied), RoPE's buffer added
+        from safetensors.torch import load_file, save_file
+
+        last = sorted(path.glob("*.safetensors"))[-1]
+        tensors = load_file(str(last))
+        tensors.pop("lm_head.weight", None) if tied else None
+        if inv_freq:
+            tensors["model.rotary_emb.inv_freq"] = torch.arange(cfg.head_dim // 2, dtype=file_dtype)
+        save_file(tensors, str(last))
+        if shards > 1:
+            index = json.loads((path / "model.safetensors.index.json").read_text())
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != last.name}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    lean = S.LoopedLM.from_pretrained(path, dtype=dtype)
+    _assert_same_parameters(lean, _load_before_issue_12(path, dtype))
+    if tied:
+        assert torch.equal(lean.lm_head.weight, lean.model.embed_tokens.weight)
+
+
+def _bad_checkpoint(path: Path, fault: str) -> Path:
+    """A tiny checkpoint (two shards) with one kind of fault, or two at once (a '+' in `fault`)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = S.Config(**TINY)
+    write_random_checkpoint(path, cfg, shards=2, dtype=torch.float32)
+    first, second = sorted(path.glob("*.safetensors"))
+    a, b = load_file(str(first)), load_file(str(second))
+    shard = lambda k: a if k in a else b  # noqa: E731  the shard that holds tensor k
+    for f in fault.split("+"):
+        if f == "missing":
+            del shard("lm_head.weight")["lm_head.weight"]
+        elif f == "unexpected":
+            a["model.layers.0.self_attn.q_norm.weight"] = torch.ones(cfg.head_dim)
+        elif f == "misshapen":
+            shard("model.embed_tokens.weight")["model.embed_tokens.weight"] = torch.zeros(cfg.vocab_size + 1, 16)
+        elif f == "integer":
+            shard("model.norm.weight")["model.norm.weight"] = torch.ones(cfg.hidden_size, dtype=torch.int64)
+            shard("lm_head.weight")["lm_head.weight"] = shard("lm_head.weight")["lm_head.weight"].to(torch.bool)
+        elif f == "nan":
+            shard("lm_head.weight")["lm_head.weight"][0, 0] = float("nan")
+            shard("model.embed_tokens.weight")["model.embed_tokens.weight"][1, 1] = float("-inf")
+    save_file(a, str(first))
+    save_file(b, str(second))
+    if fault == "truncated":
+        second.write_bytes(second.read_bytes()[:-7])
+    return path
+
+
+@pytest.mark.parametrize(
+    "fault",
+    "missing unexpected misshapen missing+unexpected+misshapen integer nan nan+missing integer+nan+misshapen "
+    "truncated".split(),
+)
+def test_lean_load_refuses_what_the_old_load_refused(tmp_path, fault):
+    """Every bad checkpoint the old load refused, the lean one refuses with the very same message (and
+    when several faults meet, it names the same one first)."""
+    path = _bad_checkpoint(tmp_path, fault)
+    with pytest.raises(ValueError) as old:
+        _load_before_issue_12(path)
+    with pytest.raises(ValueError) as lean:
+        S.LoopedLM.from_pretrained(path)
+    assert str(lean.value) == str(old.value)
+
+
+def test_lean_load_draws_no_random_numbers(tmp_path, monkeypatch):
+    """No random init is built and thrown away (at Ouro-1.4B that was 1.4 billion normal draws)."""
+    path = write_random_checkpoint(tmp_path, S.Config(**TINY))
+    state = torch.get_rng_state()
+
+    def no_draws(*a, **k):
+        raise AssertionError("from_pretrained drew random numbers")
+
+    monkeypatch.setattr(torch, "randn", no_draws)
+    S.LoopedLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_train_loads_a_checkpoint_straight_into_its_dtype(tmp_path, monkeypatch):
+    """`train --model` loads in --dtype on --device (no float32 copy on the CPU first)."""
+    path = write_random_checkpoint(tmp_path / "m", S.Config(**TINY | {"vocab_size": 260, "eos_token_id": 257}))
+    seen = []
+    real = S.LoopedLM.from_pretrained
+    monkeypatch.setattr(S.LoopedLM, "from_pretrained", lambda *a, **k: seen.append(k) or real(*a, **k))
+    argv = ["train", "--model", str(path), "--dtype", "bfloat16", "--device", "cpu", "--steps", "1"]
+    argv += ["--prompts-per-step", "1", "--group-size", "2", "--max-new-tokens", "2", "--subset", "4"]
+    assert S.main(argv) == 0
+    assert seen == [{"dtype": torch.bfloat16, "device": torch.device("cpu")}]
+
+
+def test_bf16_slowdown_is_measured_and_warned_about(tmp_path, monkeypatch, capsys):
+    """bf16 vs float32 matmul speed is measured at the model's shapes; `train` in bf16 warns, with the
+    ratio, where bf16 is more than 3x slower (as on an AVX2-only EPYC: 36x), and stays quiet otherwise."""
+    ratios = S.bf16_slowdown(S.Config(**TINY))
+    assert set(ratios) == {"rows_1", "rows_32", "worst"} and all(0 < r < math.inf for r in ratios.values())
+    assert S.bf16_warning({"rows_1": 2.9, "rows_32": 0.5, "worst": 2.9}) is None
+    monkeypatch.setattr(S, "bf16_slowdown", lambda cfg, device: {"rows_1": 12.5, "rows_32": 36.0, "worst": 36.0})
+    argv = ["train", "--config", TINY_JSON, "--steps", "1", "--prompts-per-step", "1", "--group-size", "2"]
+    argv += ["--max-new-tokens", "2", "--subset", "4", "--device", "cpu"]
+    assert S.main(argv + ["--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "36.0x slower" in out and "32 rows: 36.0x" in out and "--dtype float32" in out, out
+    assert S.main(argv) == 0 and "slower" not in capsys.readouterr().out  # float32: nothing to measure
+
+
+OURO_1_4B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                 num_attention_heads=16, num_key_value_heads=16, head_dim=128, total_ut_steps=4,
+                 max_position_embeddings=65536, rope_theta=1000000.0)  # fmt: skip
+
+
+def test_kv_cache_bytes_at_ouro_1_4b():
+    """Ouro-1.4B in bf16 keeps 2 x 16 heads x 128 x 2 bytes x 24 layers x 4 loops = 786,432 bytes of K/V per
+    token: a GRPO batch of 64 x 512 tokens needs ~26 GB for K/V alone (hand computed)."""
+    with torch.device("meta"):  # the shapes only: no 1.4 B parameters in a test
+        cfg = S.Config(**OURO_1_4B)
+        assert sum(p.numel() for p in S.LoopedLM(cfg).parameters()) == 1_434_652_673
+    kv = S.kv_cache_bytes_per_token(cfg, torch.bfloat16)
+    assert kv["kv"] == 786_432 and kv["h_and_depth"] == 2048 * 2 + 8
+    assert round(64 * 512 * kv["kv"] / 1e9, 1) == 25.8
+    assert S.kv_cache_bytes_per_token(cfg, torch.float32)["kv"] == 2 * 786_432
+
+
+def test_rollout_bytes_of_a_prefill_hand_counted():
+    """A one-token dense rollout is R prefill calls over the T prompt rows, one of which reads out: its bytes
+    are R x (layers + final norm + gate) + lm_head + R x T positions of K/V for every layer."""
+    cfg = S.Config(**TINY)
+    model = S.LoopedLM(cfg)
+    T, b = 5, 4
+    ro = S.rollout(model, [list(range(T))], mode="dense", max_new_tokens=1, seed=0)
+    C, I, V, L, R = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers, cfg.total_ut_steps
+    H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    layer = 2 * C * H * D + 2 * C * KVH * D + 3 * C * I + 4 * C
+    expect = b * (R * (L * layer + C + C + 1) + V * C + R * T * 2 * KVH * D * L)
+    assert len(ro.schedule.calls) == R and S.rollout_bytes(model, ro) == expect
+
+
+def test_bench_model_on_a_checkpoint(tmp_path, capsys):
+    """`bench --model` runs a checkpoint's shapes: dense and deferred agree, replay is bitwise, and it reports
+    the roofline, the KV cache's bytes per token and what fits, and the peaks of load and run."""
+    cfg = S.Config(**TINY | {"vocab_size": 300})
+    path = write_random_checkpoint(tmp_path / "m", cfg, shards=2)
+    argv = ["bench", "--model", str(path), "--dtype", "float32", "--batch", "2", "--new-tokens", "3"]
+    argv += ["--repeats", "1", "--gate-bias", "1.0", "--exit-threshold", "0.7", "--memory-gb", "1"]
+    assert S.main(argv) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["same_tokens_b2_fp32"] and summary["replay_bitwise_fp32"], out
+    assert 0 < summary["roofline_dense_b2_fp32"] and 0 < summary["roofline_deferred_b2_fp32"], out
+    assert summary["kv_bytes_per_token_fp32"] == S.kv_cache_bytes_per_token(cfg, torch.float32)["kv"]
+    assert summary["peak_run_mb_fp32"] >= summary["peak_load_mb_fp32"] > 0 and summary["bandwidth_gb_s"] > 0
+    assert "no GRPO step" in out and "roofline b=2" in out and "KV cache memory" in out and "1.00 GB less" in out
+    assert "bf16 / fp32" not in out  # float32 only: nothing to compare
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
+     ("--exit-threshold", "nan"), ("--new-tokens", "0"), ("--model", "/no/such/folder")],
+)  # fmt: skip
+def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
+    """Every bench flag is checked before any loading or measuring: exit 2, one line naming the flag."""
+    rc, err = _run(capsys, ["bench", flag, value])
+    assert rc == 2
+    _one_line_error(err, flag)
+
+
+def test_fast_finiteness_check_is_exact():
+    """The loader's finiteness check sums first: a sum that overflows from finite values must not refuse a
+    checkpoint, and a NaN or infinity anywhere must be found, in every float dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        big = torch.finfo(dtype).max
+        assert S._all_finite(torch.tensor([big, big, 1.0], dtype=dtype))  # the sum overflows; all are finite
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.ones(1000, dtype=dtype)
+            x[617] = bad
+            assert not S._all_finite(x), (dtype, bad)
+        assert not S._all_finite(torch.tensor([big, -float("inf")], dtype=dtype))
