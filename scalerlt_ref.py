@@ -1318,7 +1318,7 @@ def grpo_loss(
         d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
         kl = torch.exp(d) - d - 1  # (B, N)
         term = term - beta * kl
-        stats["kl"] = float((kl * m).sum() / m.sum().clamp_min(1))
+        stats["kl"] = float((kl.detach() * m).sum() / m.sum().clamp_min(1))
     per_token = -term  # (B, N); we minimise
     if loss_agg == "token_mean":
         loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
