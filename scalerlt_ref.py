@@ -18,6 +18,9 @@ The method in four lines:
   bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense
   teacher-forced forward: `replay.detach() + (tf - tf.detach())`.
 - So GRPO's first-iteration ratios are exactly 1, in float32 and bfloat16.
+Optionally (`exit_policy="sampled"`) the exit loop is itself an action, drawn from the gates' exit
+distribution; its log-prob joins the token's, is replayed and differentiated the same way, and a loop-cost
+reward lets GRPO learn to think less deeply where it can.
 
 Why bits differ at all: a floating-point result depends on how an operation is batched, not only on
 its inputs (kernels are picked by shape). A deferred rollout, a dense rollout and a teacher-forced
@@ -65,7 +68,18 @@ What the tests (test_ref.py) prove, each with its test:
   and catches a wrong temperature: `test_sampler_test_accepts_the_reference_own_rollouts`,
   `test_sampler_test_flags_a_temperature_mismatch`; batching changes no result:
   `test_verify_batched_equals_one_at_a_time`; the reference's own bfloat16 rollouts pass at their
-  precision: `test_verify_bfloat16_rollouts_of_the_reference`.
+  precision: `test_verify_bfloat16_rollouts_of_the_reference`;
+- sampled exits (issue 13) are part of the policy and stay exact: the exit log-prob is SPEC §3's p(e):
+  `test_exit_logprob_is_the_spec_formula`; the replay reproduces tokens' and exits' log-probs bit for bit
+  (float32 and bfloat16, dense and deferred): `test_sampled_exits_replay_bitwise`; under invariant numerics
+  dense, deferred and teacher-forced agree in both parts:
+  `test_sampled_invariant_dense_deferred_teacher_forced_bitwise`; the hybrid's value and gradient are
+  bitwise, and the gate learns:
+  `test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced`; the exit loops follow p(r) (a
+  chi-square test, false-alarm rate 1e-3 per case): `test_sampled_exit_loops_follow_the_exit_distribution`;
+  GRPO's first gradient includes the exit term:
+  `test_sampled_first_iteration_applies_the_policy_gradient_with_the_exit_term`; verify checks exit
+  log-probs: `test_verify_checks_sampled_exit_records`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
@@ -1100,6 +1114,34 @@ def rollout(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _collect_exit_gates(
+    model: LoopedLM,
+    call: Call,
+    h: torch.Tensor,
+    exit_loops: list[list[int]],
+    prompt_lens: list[int],
+    token_gates: torch.Tensor,
+    numerics: str,
+) -> torch.Tensor:
+    """The gate logits of the call's *deciding* rows, written into token_gates (B, N, R) (out of place, so
+    gradients flow): the rows whose position produced token k and whose loop is <= that token's exit.
+    NOTE: these are exactly the rows the rollout asked for a decision, in the same order, so
+    `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, same shape, same bits.
+    """
+    deciding, bs, ks = [], [], []
+    for i, (b, p) in enumerate(call.rows):
+        k = p - (prompt_lens[b] - 1)  # the completion token this position produced, if any
+        if 0 <= k < len(exit_loops[b]) and call.loop <= exit_loops[b][k]:
+            deciding.append(i)
+            bs.append(b)
+            ks.append(k)
+    if not deciding:
+        return token_gates
+    g = model.gate_logits(h[deciding], numerics)  # (len(deciding),)
+    index = (torch.tensor(bs), torch.tensor(ks), torch.full((len(bs),), call.loop - 1))
+    return token_gates.index_put(tuple(x.to(token_gates.device) for x in index), g)
+
+
 def execute_schedule(
     model: LoopedLM,
     ro: Rollout,
@@ -1147,34 +1189,6 @@ def execute_schedule(
     if not sampled:
         return out, torch.zeros_like(out)
     return out, exit_logprob(token_gates, exits.to(model.device), ro.min_loops)  # (B, N) each
-
-
-def _collect_exit_gates(
-    model: LoopedLM,
-    call: Call,
-    h: torch.Tensor,
-    exit_loops: list[list[int]],
-    prompt_lens: list[int],
-    token_gates: torch.Tensor,
-    numerics: str,
-) -> torch.Tensor:
-    """The gate logits of the call's *deciding* rows, written into token_gates (B, N, R) (out of place, so
-    gradients flow): the rows whose position produced token k and whose loop is <= that token's exit.
-    NOTE: these are exactly the rows the rollout asked for a decision, in the same order, so
-    `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, same shape, same bits.
-    """
-    deciding, bs, ks = [], [], []
-    for i, (b, p) in enumerate(call.rows):
-        k = p - (prompt_lens[b] - 1)  # the completion token this position produced, if any
-        if 0 <= k < len(exit_loops[b]) and call.loop <= exit_loops[b][k]:
-            deciding.append(i)
-            bs.append(b)
-            ks.append(k)
-    if not deciding:
-        return token_gates
-    g = model.gate_logits(h[deciding], numerics)  # (len(deciding),)
-    index = (torch.tensor(bs), torch.tensor(ks), torch.full((len(bs),), call.loop - 1))
-    return token_gates.index_put(tuple(x.to(token_gates.device) for x in index), g)
 
 
 def replay_logprobs(
