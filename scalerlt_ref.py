@@ -3811,6 +3811,7 @@ def cmd_demo(args) -> int:
         exit_rule=args.exit_rule,
         exit_policy=args.exit_policy,
         loop_cost=args.loop_cost,
+        scale_rewards=args.scale_rewards,
         device="cpu",
         out=args.out,
         save_every=10**9,
@@ -3870,6 +3871,7 @@ def cmd_demo(args) -> int:
         "exit_histogram": after["exit_histogram"],
         "exit_policy": args.exit_policy,
         "loop_cost": args.loop_cost,
+        "scale_rewards": args.scale_rewards,
         "mean_exit_loop_before": round(before["mean_exit_loop"], 4),
         "mean_exit_loop_after": round(after["mean_exit_loop"], 4),
         "tokens_per_second_before": round(before["tokens_per_second"], 1),
@@ -3960,6 +3962,12 @@ def build_parser():
         help="threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
     )
     d.add_argument("--loop-cost", type=float, default=0.0, help="reward -= this x the sequence's mean exit loop")
+    d.add_argument(
+        "--scale-rewards",
+        choices=SCALE_REWARDS,
+        default="group",
+        help="advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
+    )
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
     r = sub.add_parser(
