@@ -18,6 +18,9 @@ The method in four lines:
   bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense
   teacher-forced forward: `replay.detach() + (tf - tf.detach())`.
 - So GRPO's first-iteration ratios are exactly 1, in float32 and bfloat16.
+Optionally (`exit_policy="sampled"`) the exit loop is itself an action, drawn from the gates' exit
+distribution; its log-prob joins the token's, is replayed and differentiated the same way, and a loop-cost
+reward lets GRPO learn to think less deeply where it can.
 
 Why bits differ at all: a floating-point result depends on how an operation is batched, not only on
 its inputs (kernels are picked by shape). A deferred rollout, a dense rollout and a teacher-forced
@@ -65,7 +68,18 @@ What the tests (test_ref.py) prove, each with its test:
   and catches a wrong temperature: `test_sampler_test_accepts_the_reference_own_rollouts`,
   `test_sampler_test_flags_a_temperature_mismatch`; batching changes no result:
   `test_verify_batched_equals_one_at_a_time`; the reference's own bfloat16 rollouts pass at their
-  precision: `test_verify_bfloat16_rollouts_of_the_reference`.
+  precision: `test_verify_bfloat16_rollouts_of_the_reference`;
+- sampled exits (issue 13) are part of the policy and stay exact: the exit log-prob is SPEC §3's p(e):
+  `test_exit_logprob_is_the_spec_formula`; the replay reproduces tokens' and exits' log-probs bit for bit
+  (float32 and bfloat16, dense and deferred): `test_sampled_exits_replay_bitwise`; under invariant numerics
+  dense, deferred and teacher-forced agree in both parts:
+  `test_sampled_invariant_dense_deferred_teacher_forced_bitwise`; the hybrid's value and gradient are
+  bitwise, and the gate learns:
+  `test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced`; the exit loops follow p(r) (a
+  chi-square test, false-alarm rate 1e-3 per case): `test_sampled_exit_loops_follow_the_exit_distribution`;
+  GRPO's first gradient includes the exit term:
+  `test_sampled_first_iteration_applies_the_policy_gradient_with_the_exit_term`; verify checks exit
+  log-probs: `test_verify_checks_sampled_exit_records`.
 
 What this reference simplifies (on purpose):
 1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
@@ -589,6 +603,66 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
+# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above,
+# a deterministic function of the gates: the policy's log-prob of a step is the token's alone, and the gate
+# learns only in the warm start. "sampled" draws the exit loop from the exit distribution itself, so the
+# exit is an action of the policy: a step's log-prob is log p(exit = e) + log pi(token | loop e), and GRPO
+# trains how deeply the model thinks as well as what it says.
+EXIT_POLICIES = ("threshold", "sampled")
+
+
+def _check_exit_policy(policy: str, rule: str = "survival") -> None:
+    if policy not in EXIT_POLICIES:
+        raise ValueError(f"exit policy must be one of {EXIT_POLICIES}, got {policy!r}")
+    if policy == "sampled" and rule != "survival":  # NOTE: "hf" is a threshold rule's arithmetic, nothing more
+        raise ValueError(f"exit rule {rule!r} is a threshold rule; sampled exits draw with lambda in float32")
+
+
+def sample_exit(gate_logit: torch.Tensor, r: int, R: int, min_loops: int, gen: torch.Generator) -> int | None:
+    """The sampled exit policy's decision after loop r of a deciding position: r (exit now) or None.
+
+    gate_logit: the position's loop-r gate logit (a 0-dim tensor, model dtype). Before min_loops: no exit
+    and no draw. At R: exit, no draw. Else one uniform u from the sequence's generator `gen`, and exit iff
+    u < lambda_r, lambda_r = sigmoid(gate_logit) in float32 (float64 for a float64 model), computed one
+    element at a time as the exit rule computes it. So the exit loop is drawn from
+        p(r) = lambda_r prod_{min_loops <= j < r} (1 - lambda_j)   (min_loops <= r < R),
+        p(R) = prod_{min_loops <= j < R} (1 - lambda_j),           p(r) = 0 for r < min_loops:
+    Ouro's exit distribution (`exit_distribution`) conditioned on exiting at min_loops or later (the
+    gates of loops before min_loops do not matter). With min_loops = 1 it is Ouro's p(r) itself.
+    """
+    if r < min_loops:
+        return None
+    if r == R:
+        return R
+    lam = sigmoid_elementwise(gate_logit.detach().to(acc_dtype(gate_logit.dtype)).cpu().reshape(1))[0]
+    u = torch.rand((), generator=gen, dtype=torch.float64)
+    return r if bool(u < lam.double()) else None
+
+
+def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int = 1) -> torch.Tensor:
+    """log p(exit = e) under the sampled exit policy (`sample_exit`), differentiable in the gates.
+
+    gate_logits (..., R) in the model dtype (the gates of loops after e are never read); exits (...) long,
+    1..R, 0 where there is no token -> (...) float32 (float64 for a float64 model):
+        log p(e) = sum_{min_loops <= j < e} log(1 - lambda_j) + [e < R] log lambda_e,
+    -inf where e < min_loops (the policy never exits there), 0 where exits is 0.
+    NOTE: the ONE place this value is computed: the rollout records it, the replay recomputes it and the
+    teacher-forced forward differentiates it, each on a (B, N, R) tensor of the same shape, so the same
+    gates give the same bits. log(1 - lambda) is logsigmoid(-g) and log lambda is logsigmoid(g) (finite
+    where 1 - sigmoid(g) rounds to 0); logsigmoid gave every element the same bits whatever the tensor's
+    length (measured on this CPU build; the invariant-numerics tests would catch a change). The terms are
+    added loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN).
+    """
+    R = gate_logits.shape[-1]
+    g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
+    stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lambda), log lambda
+    out = torch.zeros(exits.shape, dtype=g.dtype, device=g.device)  # (...)
+    for r in range(min_loops, R):  # loops that draw
+        out = torch.where(exits > r, out + stay[..., r - 1], out)  # survived loop r
+        out = torch.where(exits == r, out + go[..., r - 1], out)  # exited at loop r
+    return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
+
+
 # ---------------------------------------------------------------------------------------------------
 # KV cache (a plain object with a loop axis; the caller owns positions)
 # ---------------------------------------------------------------------------------------------------
@@ -649,6 +723,8 @@ class Schedule:
     loops: int  # R
     kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
     exit_rule: str = "survival"  # the rule that decided the exits: "survival" | "hf" (EXIT_RULES)
+    exit_policy: str = "threshold"  # "threshold" | "sampled" (EXIT_POLICIES)
+    min_loops: int = 1  # no exit before this loop (the sampled policy's log-probs depend on it)
 
     def to_json(self) -> str:
         calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
@@ -660,6 +736,8 @@ class Schedule:
                 "loops": self.loops,
                 "kv": self.kv,
                 "exit_rule": self.exit_rule,
+                "exit_policy": self.exit_policy,
+                "min_loops": self.min_loops,
                 "calls": calls,
             }
         )
@@ -669,7 +747,8 @@ class Schedule:
         d = json.loads(text)
         calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
         kv, rule = d.get("kv", "exact"), d.get("exit_rule", "survival")  # schedules written before these keys
-        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], kv, rule)
+        policy, min_loops = d.get("exit_policy", "threshold"), d.get("min_loops", 1)
+        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], kv, rule, policy, min_loops)
 
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
@@ -814,6 +893,13 @@ class Rollout:
     temperature: float = 1.0
     kv: str = "exact"
     exit_rule: str = "survival"  # the rule that decided exit_loops; replay and learner never re-decide
+    exit_policy: str = "threshold"  # "sampled": the exit loops were drawn, and their log-probs are part of the policy's
+    min_loops: int = 1  # no exit before this loop
+    exit_logprobs: torch.Tensor | None = None  # (B, N) like logprobs: log p(exit = e) per token; 0 for "threshold"
+
+    def __post_init__(self):
+        if self.exit_logprobs is None:  # the threshold policy's exits are deterministic: log p = 0
+            self.exit_logprobs = torch.zeros_like(self.logprobs)
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -822,6 +908,11 @@ class Rollout:
         for b, (prompt, c) in enumerate(zip(self.prompts, self.completions)):
             out[b, : len(prompt) + len(c)] = torch.tensor(prompt + c, dtype=torch.long)
         return out.to(device) if device is not None else out
+
+
+def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tensor:
+    """exit_loops (B lists) -> (B, N) long, padded with 0 (no token)."""
+    return torch.tensor([e + [0] * (N - len(e)) for e in exit_loops], dtype=torch.long, device=device)
 
 
 def _check_rollout_args(
@@ -835,10 +926,12 @@ def _check_rollout_args(
     temperature: float,
     sequence_ids,
     exit_rule: str,
+    exit_policy: str,
 ) -> None:
     """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
     cfg, R = model.config, model.config.total_ut_steps
     _check_exit_rule(exit_rule)
+    _check_exit_policy(exit_policy, exit_rule)
     if mode not in ("dense", "deferred"):
         raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
     if numerics not in NUMERICS:
@@ -884,6 +977,7 @@ def rollout(
     kv: str = "exact",
     sequence_ids: list[int] | None = None,
     exit_rule: str = "survival",
+    exit_policy: str = "threshold",
 ) -> Rollout:
     """Sample completions for a batch of prompts of different lengths; record everything.
 
@@ -918,10 +1012,16 @@ def rollout(
     float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
     by (seed, sequence_ids[b]) (default: b). `exit_rule` names the rule that decides exits (EXIT_RULES);
     the threshold is `exit_threshold`, else the config's (None there: every position exits at R).
+    `exit_policy="sampled"` draws each exit instead (`sample_exit`; the threshold is not used) and records
+    exit_logprobs (B, N), log p(exit = e) of each token (`exit_logprob`).
+    NOTE: a sequence's generator serves its exit draws and its token draws in one fixed order: each step,
+    one uniform per loop that decides (loop order, newest position), then its token's. Dense and deferred
+    decide the newest position's loops in the same order, so they draw the same numbers.
     """
     _check_rollout_args(
-        model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids, exit_rule
+        model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids, exit_rule, exit_policy
     )
+    sampled = exit_policy == "sampled"
     R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
     threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
@@ -929,6 +1029,8 @@ def rollout(
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T) long
     cache = LoopCache.empty(model, B, T)
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
+    # the gate logits of loops 1..e of each token's position (sampled exits: its exit log-prob's input)
+    token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
     completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], []  # tokens, exit loops, calls
     newest = [len(prompt) - 1 for prompt in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
@@ -954,16 +1056,22 @@ def rollout(
             ]
             call = Call(r, rows)
             h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-            # 3) The exit decision of each newest position still undecided: its own gates, its own rule.
+            # 3) The exit decision of each newest position still undecided: its own gates, its own rule
+            #    (threshold), or a draw from its own generator (sampled).
             deciding = [i for i, (b, p) in enumerate(rows) if p == newest[b] and b not in exit_at]
             g = model.gate_logits(h[deciding], numerics) if deciding else None  # (len(deciding),)
             for gi, i in enumerate(deciding):
                 b = rows[i][0]
                 gates[b].append(g[gi])
-                e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops, exit_rule)
+                if sampled:
+                    e = sample_exit(g[gi], r, R, min_loops, gens[b])
+                else:
+                    e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops, exit_rule)
                 if e is not None:
                     exit_at[b] = e
                     call.readout.append(rows[i])
+                    if sampled:
+                        token_gates[b, len(completions[b]), :e] = torch.stack(gates[b])
             # 4) Read out the rows that exit at this loop and sample each one's next token.
             if call.readout:
                 logp = read_out(model, call, h, temperature, numerics)  # (n_out, V)
@@ -984,22 +1092,56 @@ def rollout(
                 newest[b] += 1
                 tokens[b, newest[b]] = completions[b][-1]
     mask = torch.tensor([[i < len(c) for i in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
+    exit_lp = None
+    if sampled:  # 6) The exits' log-probs, from the recorded gates, as the replay computes them
+        exit_lp = exit_logprob(token_gates, _exit_tensor(exits, N, model.device), min_loops).cpu()  # (B, N)
     return Rollout(
         prompts=[list(prompt) for prompt in prompts],
         completions=completions,
         exit_loops=exits,
         logprobs=logprobs,
         mask=mask,
-        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv, exit_rule),
+        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv, exit_rule, exit_policy, min_loops),
         temperature=temperature,
         kv=kv,
         exit_rule=exit_rule,
+        exit_policy=exit_policy,
+        min_loops=min_loops,
+        exit_logprobs=exit_lp,
     )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Learner log-probabilities
 # ---------------------------------------------------------------------------------------------------
+
+
+def _collect_exit_gates(
+    model: LoopedLM,
+    call: Call,
+    h: torch.Tensor,
+    exit_loops: list[list[int]],
+    prompt_lens: list[int],
+    token_gates: torch.Tensor,
+    numerics: str,
+) -> torch.Tensor:
+    """The gate logits of the call's *deciding* rows, written into token_gates (B, N, R) (out of place, so
+    gradients flow): the rows whose position produced token k and whose loop is <= that token's exit.
+    NOTE: these are exactly the rows the rollout asked for a decision, in the same order, so
+    `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, same shape, same bits.
+    """
+    deciding, bs, ks = [], [], []
+    for i, (b, p) in enumerate(call.rows):
+        k = p - (prompt_lens[b] - 1)  # the completion token this position produced, if any
+        if 0 <= k < len(exit_loops[b]) and call.loop <= exit_loops[b][k]:
+            deciding.append(i)
+            bs.append(b)
+            ks.append(k)
+    if not deciding:
+        return token_gates
+    g = model.gate_logits(h[deciding], numerics)  # (len(deciding),)
+    index = (torch.tensor(bs), torch.tensor(ks), torch.full((len(bs),), call.loop - 1))
+    return token_gates.index_put(tuple(x.to(token_gates.device) for x in index), g)
 
 
 def execute_schedule(
@@ -1009,25 +1151,33 @@ def execute_schedule(
     numerics: str,
     on_call: Callable[[Call, torch.Tensor], None] | None = None,
     on_readout: Callable[[Call, torch.Tensor], None] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
-    Returns (B, N) log-probs of the recorded completion tokens, read out where the calls say (0 where
-    mask is False). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there);
+    Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded completion
+    tokens' log-probs, read out where the calls say, and (sampled exits) each recorded exit loop's
+    log-prob `exit_logprob`, from the gates of the token's position at loops 1..e (zeros for the threshold
+    policy). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there);
     `on_readout(call, logp)` sees the whole (k, V) policy of the call's readout rows (the oracle's
     sampler test reads it).
     """
     tokens = ro.tokens(model.device)  # (B, T)
     B, N = ro.mask.shape
+    R = model.config.total_ut_steps
     _check_ids(tokens, model.config, "rollout tokens")
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
     prompt_lens = [len(prompt) for prompt in ro.prompts]
+    sampled = ro.exit_policy == "sampled"
+    exits = _exit_tensor(ro.exit_loops, N)  # (B, N) long, 0: no token
+    token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
+        if sampled:
+            token_gates = _collect_exit_gates(model, call, h, ro.exit_loops, prompt_lens, token_gates, numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, ro.temperature, numerics)  # (n_out, V)
@@ -1038,18 +1188,24 @@ def execute_schedule(
         tok_index = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # in 0..N-1
         out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
         kv_after_readout(ro.kv, cache, call, prompt_lens)
-    return out
+    if not sampled:
+        return out, torch.zeros_like(out)
+    return out, exit_logprob(token_gates, exits.to(model.device), ro.min_loops)  # (B, N) each
 
 
-def replay_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
+def replay_logprobs(
+    model: LoopedLM, ro: Rollout, with_exits: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients.
 
-    Returns (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged.
+    Returns (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged; with
+    `with_exits`, also the (B, N) exit log-probs, equal to `ro.exit_logprobs` bit for bit.
     """
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
-        return execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics).cpu()
+        tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics)
+    return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
@@ -1073,13 +1229,17 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     return calls
 
 
-def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
+def teacher_forced_logprobs(
+    model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One differentiable forward over whole sequences, every loop for every position, read out at the
-    recorded exit loops. Returns (B, N) log-probs with gradients (on the model's device)."""
+    recorded exit loops. Returns (B, N) log-probs with gradients (on the model's device); with
+    `with_exits`, also the (B, N) exit log-probs, differentiable in the gates (so in everything under them)."""
     for b, e in enumerate(ro.exit_loops):
         if any(not 1 <= x <= model.config.total_ut_steps for x in e):
             raise ValueError(f"sequence {b}: exit loops must be in 1..{model.config.total_ut_steps}")
-    return execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+    tok, ext = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+    return (tok, ext) if with_exits else tok
 
 
 def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
@@ -1093,9 +1253,21 @@ def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     return value.detach() + (tf - tf.detach())
 
 
-def learner_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast") -> torch.Tensor:
-    """The replay's value with the teacher-forced gradient, (B, N): `hybrid(replay, tf)`."""
-    return hybrid(replay_logprobs(model, ro).to(model.device), teacher_forced_logprobs(model, ro, numerics))
+def learner_logprobs(
+    model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The replay's value with the teacher-forced gradient, (B, N): `hybrid(replay, tf)`; with
+    `with_exits`, the exit log-probs' too, through the same `hybrid`."""
+    replay, replay_exit = replay_logprobs(model, ro, with_exits=True)
+    tf, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
+    tok = hybrid(replay.to(model.device), tf)
+    return (tok, hybrid(replay_exit.to(model.device), tf_exit)) if with_exits else tok
+
+
+def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
+    """The policy's log-prob of each step, (B, N): log pi(token | loop e) + log p(exit = e) when the exits
+    were sampled; the token's alone under the threshold policy (its exits are not actions)."""
+    return tok + ext if ro.exit_policy == "sampled" else tok
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1162,7 +1334,7 @@ def grpo_loss(
         d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
         kl = torch.exp(d) - d - 1  # (B, N)
         term = term - beta * kl
-        stats["kl"] = float((kl * m).sum() / m.sum().clamp_min(1))
+        stats["kl"] = float((kl.detach() * m).sum() / m.sum().clamp_min(1))
     per_token = -term  # (B, N); we minimise
     if loss_agg == "token_mean":
         loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
@@ -1222,7 +1394,7 @@ def _check_finite_params(model: nn.Module, when: str) -> None:
 
 
 def _check_sampled_logprobs(model: LoopedLM, ro: Rollout) -> None:
-    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
+    bad = int((~(torch.isfinite(ro.logprobs) & torch.isfinite(ro.exit_logprobs)) & ro.mask).sum())
     if bad:
         raise NonFiniteError(
             f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
@@ -1249,17 +1421,22 @@ def _check_finite_loss(loss: torch.Tensor, tf: torch.Tensor, mask: torch.Tensor,
 def _audit_first_iteration(
     model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, check_replay: bool
 ) -> dict:
-    """Replay (if asked) and compare with the sampler bit for bit; measure what a naive learner would be off."""
+    """Replay (if asked) and compare with the sampler bit for bit, tokens' and exits' log-probs (tf and
+    logp_old are joint); measure what a naive learner would be off."""
     metrics = {}
     if check_replay:
-        replay = replay_logprobs(model, ro).to(model.device)  # (B, N)
-        mismatched = int(((replay != logp_old) & mask).sum())
+        tok, ext = (x.to(model.device) for x in replay_logprobs(model, ro, with_exits=True))  # (B, N) each
+        replay = joint_logprobs(ro, tok, ext)  # (B, N)
+        mismatched = int(((tok != ro.logprobs.to(model.device)) & mask).sum())
+        mismatched_exits = int(((ext != ro.exit_logprobs.to(model.device)) & mask).sum())
         metrics["exact/mismatched_tokens"] = mismatched
+        if ro.exit_policy == "sampled":
+            metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
         metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
-        if mismatched:
+        if mismatched or mismatched_exits:
             raise ReplayMismatchError(
-                f"{mismatched} tokens: the replay's log-probs differ from the sampler's; "
-                "the learner would be off-policy (is the device nondeterministic?)"
+                f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
+                "sampler's; the learner would be off-policy (is the device nondeterministic?)"
             )
     metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
     return metrics
@@ -1289,6 +1466,8 @@ def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dic
         "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
         "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
         "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
+        "exit/logprob_mean": float(ro.exit_logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # both parts
+        "token/logprob_mean": float(ro.logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # of the policy
         "completions/mean_length": float(ro.mask.sum(1).float().mean()),
     }
 
@@ -1309,28 +1488,33 @@ def grpo_update(
     log-probs; the gradient is the teacher-forced one. With `check_replay` the replay runs anyway and
     any token whose bits differ refuses the step. Iterations 2..mu: the hybrid of the replay (the
     weights have moved) and the teacher-forced forward. `all_reduce` (data parallel) sums across processes.
+    Sampled exits: every log-prob is the step's joint one, token + exit (`joint_logprobs`), each part
+    through `hybrid`, so the gate learns from the same advantage as the tokens.
     """
     _check_sampled_logprobs(model, ro)
     adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
     mask = ro.mask.to(model.device)  # (B, N)
-    logp_old = ro.logprobs.to(model.device)  # (B, N), exact
+    old_tok, old_exit = ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device)  # (B, N) each, exact
+    logp_old = joint_logprobs(ro, old_tok, old_exit)  # (B, N)
     ref_logp = None
     if grpo.beta > 0:
         with torch.no_grad():
-            ref_logp = teacher_forced_logprobs(ref_model, ro, numerics)  # (B, N)
+            ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
     normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
     metrics: dict = {}
     clip_ratios = []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        tf = teacher_forced_logprobs(model, ro, numerics)  # (B, N), differentiable: the gradient's source
-        _check_finite_logprobs(model, tf, mask, it)
+        tf, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)  # (B, N) each: the gradient
+        _check_finite_logprobs(model, joint_logprobs(ro, tf, tf_exit), mask, it)
         if it == 0:
-            value = logp_old  # exact; the audit below proves it (and refuses the step if not)
-            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, mask, grpo.check_replay))
-        else:
-            value = replay_logprobs(model, ro).to(model.device)  # the schedule, replayed with the new weights
-        logp = hybrid(value, tf)  # (B, N): value bits from `value`, gradient from tf
+            value, value_exit = old_tok, old_exit  # exact; the audit below proves it (and refuses the step if not)
+            metrics.update(
+                _audit_first_iteration(model, ro, joint_logprobs(ro, tf, tf_exit), logp_old, mask, grpo.check_replay)
+            )
+        else:  # the schedule, replayed with the new weights
+            value, value_exit = (x.to(model.device) for x in replay_logprobs(model, ro, with_exits=True))
+        logp = joint_logprobs(ro, hybrid(value, tf), hybrid(value_exit, tf_exit))  # (B, N): value bits, tf gradient
         loss, stats = grpo_loss(
             logp,
             logp_old,
@@ -2053,6 +2237,15 @@ def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
     return gsm8k_score(completion, reference, kind)
 
 
+def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
+    """The compute-aware reward: the task reward minus loop_cost x the sequence's mean exit loop (a
+    sequence with no tokens costs nothing). With sampled exits GRPO then trades accuracy against depth;
+    loop_cost 0 is plain GRPO (the task reward, unchanged)."""
+    if loop_cost == 0 or not exit_loops:
+        return task_reward
+    return task_reward - loop_cost * sum(exit_loops) / len(exit_loops)
+
+
 def format_prompt(question: str) -> str:
     return f"Q: {question}\nA: "
 
@@ -2134,12 +2327,17 @@ def evaluate(
     batch_size: int = 100,
     min_loops: int = 1,
     exit_rule: str = "survival",
+    exit_policy: str = "threshold",
+    seed: int = 0,
 ) -> dict:
-    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, and the
-    histogram of exit loops over generated tokens."""
-    correct, hist = [], [0] * model.config.total_ut_steps
+    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the
+    histogram of exit loops over generated tokens, their mean, and the rollouts' speed (generated tokens
+    per second of rollout time, `mode`). Tokens are greedy; exits follow `exit_policy` (sampled: drawn
+    from each sequence's generator seeded by `seed`, so the same weights give the same exits)."""
+    correct, hist, seconds = [], [0] * model.config.total_ut_steps, 0.0
     for i in range(0, len(problems), batch_size):
         chunk = problems[i : i + batch_size]
+        t0 = time.perf_counter()
         ro = rollout(
             model,
             [encode_problem(tok, p)[0] for p in chunk],
@@ -2149,7 +2347,11 @@ def evaluate(
             eos_id=tok.eos_id,
             min_loops=min_loops,
             exit_rule=exit_rule,
+            exit_policy=exit_policy,
+            seed=seed,
+            sequence_ids=list(range(i, i + len(chunk))),
         )
+        seconds += time.perf_counter() - t0
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
             correct.append(gsm8k_score(tok.decode(c), p["answer"]))
             for x in e:
@@ -2160,6 +2362,8 @@ def evaluate(
         "stderr": math.sqrt(acc * (1 - acc) / max(1, len(problems))),
         "correct": correct,
         "exit_histogram": hist,
+        "mean_exit_loop": sum(r * c for r, c in enumerate(hist, 1)) / max(1, sum(hist)),
+        "tokens_per_second": sum(hist) / max(seconds, 1e-9),
     }
 
 
@@ -2257,6 +2461,19 @@ def _check_exit_rule_flag(args) -> None:
     _want(args, "exit_rule", args.exit_rule in EXIT_RULES, f"one of {', '.join(EXIT_RULES)}")
 
 
+def _check_exit_policy_flags(args, loop_cost: bool = True) -> None:
+    """--exit-policy (sampled draws with survival's lambda: --exit-rule hf is refused) and --loop-cost."""
+    _want(args, "exit_policy", args.exit_policy in EXIT_POLICIES, f"one of {', '.join(EXIT_POLICIES)}")
+    _want(
+        args,
+        "exit_policy",
+        args.exit_policy == "threshold" or args.exit_rule == "survival",
+        "threshold with --exit-rule hf (hf is a threshold rule's arithmetic)",
+    )
+    if loop_cost:
+        _real_flag(args, "loop_cost", 0.0)
+
+
 def _check_model_source(args) -> None:
     if getattr(args, "model", None):
         _check_path(args.model, "folder", "--model")
@@ -2289,6 +2506,7 @@ def check_train_flags(args) -> None:
     _real_flag(args, "epsilon_high", 0.0, 1000.0)
     _real_flag(args, "beta", 0.0)
     _check_exit_rule_flag(args)
+    _check_exit_policy_flags(args)
     _check_device(args)
     _check_model_source(args)
     if args.data:
@@ -2308,6 +2526,7 @@ def check_demo_flags(args) -> None:
     _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
     _real_flag(args, "lr", 0.0, lo_open=True)
     _check_exit_rule_flag(args)
+    _check_exit_policy_flags(args)
     _check_path(args.config, "file", "--config")
     if args.out:
         _check_out(args.out, "folder")
@@ -2335,6 +2554,7 @@ def check_rollout_flags(args) -> None:
         "a token id >= 0",
     )
     _real_flag(args, "temperature", 0.0)
+    _check_exit_policy_flags(args, loop_cost=False)
     _check_path(args.prompts, "file", "--prompts")
     _check_out(args.out, "file")
 
@@ -2465,6 +2685,10 @@ class TrainConfig:
     temperature: float = _flag(1.0, "sampling temperature")
     min_loops: int = _flag(1, "no position exits before this loop")
     exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
+    exit_policy: str = _flag(
+        "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
+    )
+    loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)")
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
@@ -2580,7 +2804,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
             say(
                 f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
                 f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-                f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
+                + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
+                + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
             )
             if out:
                 with open(out / "metrics.jsonl", "a") as f:
@@ -2623,9 +2848,11 @@ def _train_step(
         sequence_ids=gids,
         min_loops=cfg.min_loops,
         exit_rule=cfg.exit_rule,
+        exit_policy=cfg.exit_policy,
     )
     texts = [tok.decode(c) for c in ro.completions]
-    rewards = torch.tensor([reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)])
+    task = [reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)]
+    rewards = torch.tensor([loop_cost_reward(x, e, cfg.loop_cost) for x, e in zip(task, ro.exit_loops)])
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
     if cfg.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
@@ -2635,8 +2862,9 @@ def _train_step(
     m = grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
     dt = time.time() - t0
     m["accuracy"] = accuracy
+    m["task_reward"] = sum(task) / len(task)
     if dist["all_reduce"] is not None:  # report global figures
-        for key in ("reward", "accuracy", "exit/mean_loops"):
+        for key in ("reward", "task_reward", "accuracy", "exit/mean_loops", "exit/logprob_mean"):
             m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=model.device))) / world
     m.update(
         step=step + 1,
@@ -2793,17 +3021,16 @@ RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
 
 def rollout_records(ro: Rollout) -> list[dict]:
     """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
-    after that position's exit loop exit_loops[k] (1-based)."""
-    return [
-        {
-            "prompt_ids": p,
-            "completion_ids": c,
-            "exit_loops": e,
-            "logprobs": [float(x) for x in ro.logprobs[b, : len(c)]],
-            "temperature": ro.temperature,
-        }
-        for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-    ]
+    after that position's exit loop exit_loops[k] (1-based). Sampled exits add "exit_logprobs", the log-prob
+    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k])."""
+    records = []
+    for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
+        rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
+        rec["logprobs"] = [float(x) for x in ro.logprobs[b, : len(c)]]
+        if ro.exit_policy == "sampled":
+            rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
+        records.append(rec | {"temperature": ro.temperature})
+    return records
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -2836,8 +3063,12 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
         bad = [x for x in d["exit_loops"] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= R]
         if bad:
             raise ValueError(f"{where}: exit loop {bad[0]!r} is outside 1..{R}")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in d["logprobs"]):
-            raise ValueError(f"{where}: 'logprobs' must be finite numbers")
+        for key in ("logprobs", "exit_logprobs") if "exit_logprobs" in d else ("logprobs",):
+            v = d[key]
+            if not isinstance(v, list) or len(v) != n:
+                raise ValueError(f"{where}: {key!r} must be a list of {n} numbers, one per completion token")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                raise ValueError(f"{where}: {key!r} must be finite numbers")
         t = d.get("temperature", 1.0)
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(f"{where}: 'temperature' must be a finite number >= 0")
@@ -2876,15 +3107,20 @@ ENGINE_TOLERANCES = {  # engine dtype: (atol, flip margin)
 RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(recorded - reference) is outside 1 ± x
 
 
-def records_rollout(recs: list[dict], kv: str = "exact", exit_rule: str = "survival") -> Rollout:
+def records_rollout(
+    recs: list[dict], kv: str = "exact", exit_rule: str = "survival", exit_policy: str = "threshold", min_loops: int = 1
+) -> Rollout:
     """Records (of one temperature) as one Rollout to teacher-force: B = len(recs), N the longest
-    completion; logprobs (B, N) float64 and mask (B, N) bool, padded; no schedule."""
+    completion; logprobs and exit_logprobs (B, N) float64 (0 where a record has none) and mask (B, N) bool,
+    padded; no schedule. exit_policy "sampled" makes the teacher-forced pass compute exit log-probs."""
     N = max(len(r["completion_ids"]) for r in recs)
     logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
+    exit_logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
     mask = torch.zeros(len(recs), N, dtype=torch.bool)  # (B, N)
     for b, r in enumerate(recs):
         n = len(r["completion_ids"])
         logprobs[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
+        exit_logprobs[b, :n] = torch.tensor(r.get("exit_logprobs", [0.0] * n), dtype=torch.float64)
         mask[b, :n] = True
     return Rollout(
         prompts=[r["prompt_ids"] for r in recs],
@@ -2896,6 +3132,9 @@ def records_rollout(recs: list[dict], kv: str = "exact", exit_rule: str = "survi
         temperature=recs[0]["temperature"],
         kv=kv,
         exit_rule=exit_rule,
+        exit_policy=exit_policy,
+        min_loops=min_loops,
+        exit_logprobs=exit_logprobs,
     )
 
 
@@ -2921,7 +3160,7 @@ def _check_reference_finite(
     if rec["temperature"] not in (0.0, 1.0):
         ro = records_rollout([dict(rec, temperature=1.0)], kv)
         with torch.no_grad():
-            at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0]
+            at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0][0]
         if bool(torch.isfinite(at_one).all()):
             raise ValueError(
                 f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow "
@@ -3015,7 +3254,8 @@ def _verify_batch(
 ) -> list[dict]:
     """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
     R = model.config.total_ut_steps
-    ro = records_rollout(recs, kv, exit_rule)
+    any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
+    ro = records_rollout(recs, kv, exit_rule, "sampled" if any_sampled else "threshold", min_loops)
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
     length = torch.tensor([len(c) for c in ro.completions])  # (B,)
@@ -3052,9 +3292,10 @@ def _verify_batch(
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        lp_all = execute_schedule(
-            model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy
-        ).cpu()  # (B, N)
+        lp_all, exit_all = (
+            x.cpu()
+            for x in execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy)
+        )  # (B, N) each
     # The rule at every producing position at once, positions grouped by the loops they ran (all R, except
     # under kv="last_exited"). It runs on the reference's gates rounded to the engine's dtype: an engine
     # decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
@@ -3076,15 +3317,23 @@ def _verify_batch(
         delta = ro.logprobs[b, :n] - lp  # (n,) recorded - reference
         exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
         violations = []
+        sampled_exits = "exit_logprobs" in rec
         for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], exits)):
-            if e != rule_e:
+            if sampled_exits and e < min_loops:  # a draw the policy can never make (its log-prob is -inf)
+                violations.append({"token": k, "recorded": e, "rule": f">={min_loops}", "margin": None})
+            elif not sampled_exits and e != rule_e:  # sampled exits are draws: no rule to break
                 g = rule_gates[b, k, : ran[b, k]]  # (loops run,)
                 violations.append({"token": k, **_exit_violation(g, e, rule_e, R, tau, min_loops, exit_rule)})
+        exit_lp = exit_all[b, :n].double() if sampled_exits else None  # (n,) the reference's log p(exit = e)
+        exit_delta = ro.exit_logprobs[b, :n] - exit_lp if sampled_exits else None  # (n,) recorded - reference
         results.append(
             {
                 "logprobs": lp,
                 "delta": delta,
                 "diff": delta.abs(),
+                "exit_logprobs": exit_lp,
+                "exit_delta": exit_delta,
+                "exit_diff": exit_delta.abs() if sampled_exits else None,
                 "violations": violations,
                 "rule_exits": exits,
                 "pit": policy[b, :n] if sampled else None,
@@ -3114,7 +3363,9 @@ def verify_records(
     reference policy at that loop for the sampler test.
 
     Returns, per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded - recomputed; "diff"
-    (n,) |delta|; "rule_exits" the rule's exit loop per token (None: undecided by the loops run);
+    (n,) |delta|; for records with "exit_logprobs" (sampled exits), "exit_logprobs", "exit_delta" and
+    "exit_diff" (n,) the same for log p(exit = e) (else None), and their exit loops are draws: the only
+    violation is one before min_loops; "rule_exits" the rule's exit loop per token (None: undecided by the loops run);
     "violations" every disagreement, {"token", "recorded", "rule", "margin"} (see `_exit_check`);
     "pit" (n,) the randomized PIT of each token (temperature > 0, else None; uniforms from
     `sampler_seed(seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the token's (temperature 0,
@@ -3132,10 +3383,14 @@ def verify_records(
         else:  # nothing was generated: nothing to recompute
             empty = torch.zeros(0, dtype=torch.float64)
             sampled = rec["temperature"] > 0
+            sampled_exits = "exit_logprobs" in rec
             results[i] = {
                 "logprobs": empty,
                 "delta": empty,
                 "diff": empty,
+                "exit_logprobs": empty if sampled_exits else None,
+                "exit_delta": empty if sampled_exits else None,
+                "exit_diff": empty if sampled_exits else None,
                 "violations": [],
                 "rule_exits": [],
                 "pit": empty if sampled else None,
@@ -3226,6 +3481,10 @@ def verify_summary(
         "sampler_p_value": None,
         "greedy_tokens": 0,
         "greedy_mismatches": 0,
+        "exit_logprob_tokens": 0,
+        "max_abs_exit_diff": None,
+        "mismatched_exit_logprobs": 0,
+        "first_exit_mismatch": None,
         "atol": atol,
         "flip_margin": flip_margin,
         "sampler_alpha": sampler_alpha,
@@ -3249,6 +3508,21 @@ def verify_summary(
             s["exit_rule_violations"] += 1
             if s["first_violation"] is None:
                 s["first_violation"] = {"sequence": i, **v}
+        if res.get("exit_diff") is not None:  # sampled exits: log p(exit = e) against the reference's
+            ed = res["exit_diff"]
+            s["exit_logprob_tokens"] += ed.numel()
+            if ed.numel():
+                s["max_abs_exit_diff"] = max(s["max_abs_exit_diff"] or 0.0, float(ed.max()))
+            bad_exit = (~(ed <= atol)).nonzero()[:, 0].tolist()
+            s["mismatched_exit_logprobs"] += len(bad_exit)
+            if bad_exit and s["first_exit_mismatch"] is None:
+                k = bad_exit[0]
+                s["first_exit_mismatch"] = {
+                    "sequence": i,
+                    "token": k,
+                    "expected": float(res["exit_logprobs"][k]),
+                    "got": float(rec["exit_logprobs"][k]),
+                }
         if res["greedy_gap"] is not None:
             s["greedy_tokens"] += res["greedy_gap"].numel()
             # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
@@ -3267,6 +3541,7 @@ def verify_summary(
         s["sampler_ks_statistic"], s["sampler_p_value"] = ks_uniform(pit)
     s["passed"] = (
         s["mismatched_tokens"] == 0
+        and s["mismatched_exit_logprobs"] == 0
         and s["exit_rule_violations"] == 0
         and s["greedy_mismatches"] == 0
         and not (s["sampler_p_value"] is not None and s["sampler_p_value"] < sampler_alpha)
@@ -3281,7 +3556,8 @@ def _print_failures(records: list[dict], results: list[dict], summary: dict, lim
         bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
         wrong = [v for v in res["violations"] if v["margin"] is None or abs(v["margin"]) > flip]
         greedy = [] if res["greedy_gap"] is None else (~(res["greedy_gap"] <= 2 * atol)).nonzero()[:, 0].tolist()
-        if not (bad or wrong or greedy):
+        bad_exit = [] if res.get("exit_diff") is None else (~(res["exit_diff"] <= atol)).nonzero()[:, 0].tolist()
+        if not (bad or wrong or greedy or bad_exit):
             continue
         shown += 1
         if shown > limit:
@@ -3290,7 +3566,8 @@ def _print_failures(records: list[dict], results: list[dict], summary: dict, lim
         flips = len(res["violations"]) - len(wrong)
         print(
             f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
-            f"{float(res['diff'].max()):.3e}, {len(bad)} over atol, {len(wrong)} exit-rule violations "
+            f"{float(res['diff'].max()):.3e}, {len(bad)} over atol, {len(bad_exit)} exit log-probs over atol, "
+            f"{len(wrong)} exit-rule violations "
             f"({flips} near-threshold flips), {len(greedy)} greedy tokens not the argmax  MISMATCH"
         )
         for k in bad[:3]:
@@ -3298,6 +3575,11 @@ def _print_failures(records: list[dict], results: list[dict], summary: dict, lim
         for v in wrong[:3]:
             m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
             print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
+        for k in bad_exit[:3]:
+            print(
+                f"      token {k}: exit loop {rec['exit_loops'][k]}, recorded exit log-prob "
+                f"{rec['exit_logprobs'][k]:.6f}, reference {float(res['exit_logprobs'][k]):.6f}"
+            )
         for k in greedy[:3]:
             gap = float(res["greedy_gap"][k])
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
@@ -3459,6 +3741,7 @@ def cmd_rollout(args) -> int:
         eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
         kv=args.kv,
         exit_rule=args.exit_rule,
+        exit_policy=args.exit_policy,
     )
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:  # never write a record no verifier could check
@@ -3920,6 +4203,9 @@ def cmd_demo(args) -> int:
         max_new_tokens=args.max_new_tokens,
         mode="deferred",
         exit_rule=args.exit_rule,
+        exit_policy=args.exit_policy,
+        loop_cost=args.loop_cost,
+        scale_rewards=args.scale_rewards,
         device="cpu",
         out=args.out,
         save_every=10**9,
@@ -3932,12 +4218,14 @@ def cmd_demo(args) -> int:
         p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1) if p["question"] not in seen
     ][: args.eval_problems]
     before: dict = {}
+    policy = dict(max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule, exit_policy=args.exit_policy)
 
     def on_start(model, tok):
-        before.update(evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule))
+        before.update(evaluate(model, tok, held_out, **policy))
         print(
             f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
-            f"({len(held_out)} problems)"
+            f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
+            f"{before['tokens_per_second']:.0f} tok/s"
         )
 
     try:
@@ -3945,11 +4233,12 @@ def cmd_demo(args) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
-    after = evaluate(model, tok, held_out, max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule)
+    after = evaluate(model, tok, held_out, **policy)
     gain, gain_se = paired_gain(before["correct"], after["correct"])
     print(
         f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
-        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired)"
+        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired); mean exit loop {after['mean_exit_loop']:.2f}, deferred "
+        f"{after['tokens_per_second']:.0f} tok/s"
     )
     total = sum(after["exit_histogram"])
     print("exit loops of generated tokens (held-out, after GRPO):")
@@ -3974,6 +4263,13 @@ def cmd_demo(args) -> int:
             (m.get("sampling/naive_logp_difference/max", 0.0) for m in history), default=0.0
         ),
         "exit_histogram": after["exit_histogram"],
+        "exit_policy": args.exit_policy,
+        "loop_cost": args.loop_cost,
+        "scale_rewards": args.scale_rewards,
+        "mean_exit_loop_before": round(before["mean_exit_loop"], 4),
+        "mean_exit_loop_after": round(after["mean_exit_loop"], 4),
+        "tokens_per_second_before": round(before["tokens_per_second"], 1),
+        "tokens_per_second_after": round(after["tokens_per_second"], 1),
         "grpo_steps": len(history),
         "seconds": round(time.time() - t0, 1),
     }
@@ -3992,15 +4288,21 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [m["step"] for m in history]
-    reward = [m["reward"] for m in history]
-    smooth = [sum(reward[max(0, i - 9) : i + 1]) / len(reward[max(0, i - 9) : i + 1]) for i in range(len(reward))]
-    ax.plot(steps, reward, label="reward = sampled accuracy (T=1)", alpha=0.35)
-    ax.plot(steps, smooth, label="reward, mean of last 10 steps")
-    ax.plot(steps, [m["exit/mean_loops"] / R for m in history], label=f"mean exit loop / {R}", alpha=0.6)
+    acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
+    smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
+    ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
+    ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
     ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
     ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
     ax.set_xlabel("GRPO step")
-    ax.legend(fontsize=7)
+    ax.set_ylabel("accuracy")
+    loops = ax.twinx()  # depth on its own axis, in loops
+    loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
+    loops.set_ylim(1, R)
+    loops.set_ylabel("mean exit loop")
+    handles = ax.get_legend_handles_labels()
+    more = loops.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
@@ -4047,6 +4349,19 @@ def build_parser():
     d.add_argument("--eval-problems", type=int, default=400, help="held-out problems")
     d.add_argument("--seed", type=int, default=0, help="seed of everything")
     d.add_argument("--exit-rule", choices=EXIT_RULES, default="survival", help="exit rule (hf: modeling_ouro's)")
+    d.add_argument(
+        "--exit-policy",
+        choices=EXIT_POLICIES,
+        default="threshold",
+        help="threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
+    )
+    d.add_argument("--loop-cost", type=float, default=0.0, help="reward -= this x the sequence's mean exit loop")
+    d.add_argument(
+        "--scale-rewards",
+        choices=SCALE_REWARDS,
+        default="group",
+        help="advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
+    )
     d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
     _train_parser(sub)
     r = sub.add_parser(
@@ -4065,6 +4380,12 @@ def build_parser():
     r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
     r.add_argument("--seed", type=int, default=0, help="sampling seed (sequence i draws from seed and i)")
+    r.add_argument(
+        "--exit-policy",
+        choices=EXIT_POLICIES,
+        default="threshold",
+        help="threshold (the exit rule) or sampled (exits drawn from the gates; records gain exit_logprobs)",
+    )
     v = sub.add_parser(
         "verify",
         formatter_class=HELP,

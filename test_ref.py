@@ -2807,3 +2807,362 @@ def test_fast_finiteness_check_is_exact():
             x[617] = bad
             assert not S._all_finite(x), (dtype, bad)
         assert not S._all_finite(torch.tensor([big, -float("inf")], dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampled exits and a loop-cost reward (issue 13)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.Tensor:
+    """log p(exit = e) written from SPEC §3 alone, float64: gates (R,) -> sum over the loops that draw of
+    log(1 - lambda) before e, plus log lambda_e unless e = R (the last loop takes the rest)."""
+    R, lam = gates.numel(), torch.sigmoid(gates.double())
+    if e < min_loops:
+        return torch.tensor(-math.inf, dtype=torch.float64)
+    out = sum((torch.log1p(-lam[j - 1]) for j in range(min_loops, e)), torch.zeros((), dtype=torch.float64))
+    return out + torch.log(lam[e - 1]) if e < R else out
+
+
+@examples(25)
+@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
+def test_exit_logprob_is_the_spec_formula(gates, dtype, data):
+    """`exit_logprob` is log p(e) of SPEC §3 (conditioned on e >= min_loops): by hand to rounding, -inf
+    before min_loops, 0 for padding, and its exponentials sum to 1 over the loops it can exit at."""
+    R = len(gates)
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    m = data.draw(between(1, R))
+    exits = torch.tensor([0] + list(range(1, R + 1)))  # (R + 1,): padding, then every loop
+    lp = S.exit_logprob(g.expand(R + 1, R), exits, m)  # (R + 1,)
+    assert lp.dtype == S.acc_dtype(dtype) and lp[0] == 0
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for e in range(1, R + 1):
+        want = _exit_logprob_by_hand(g, e, m)
+        if e < m:
+            assert lp[e] == -math.inf
+        elif math.isfinite(want):
+            assert abs(float(lp[e]) - float(want)) <= tol * (1 + abs(float(want))), (e, float(lp[e]), float(want))
+    total = float(lp[m:].double().exp().sum())
+    assert abs(total - 1) <= 10 * tol, total
+
+
+@examples(20)
+@given(case=cases(), mode=modes, dtype=dtypes)
+def test_sampled_exits_replay_bitwise(case, mode, dtype):
+    """With sampled exits a step's log-prob has two parts, and the replay reproduces both bit for bit (also
+    from a schedule read back from JSON): GRPO's first ratio is exactly 1 for the joint policy too."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, exit_policy="sampled")
+    assert ro.exit_policy == "sampled" and ro.schedule.exit_policy == "sampled" and ro.min_loops == case.min_loops
+    assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
+    assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
+    schedule = S.Schedule.from_json(ro.schedule.to_json())
+    assert schedule.exit_policy == "sampled" and schedule.min_loops == case.min_loops
+    for r in (ro, dataclasses.replace(ro, schedule=schedule)):
+        tok, ext = S.replay_logprobs(model, r, with_exits=True)
+        assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
+        assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
+
+
+@examples(20)
+@given(case=cases(), dtype=dtypes)
+def test_sampled_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
+    """Dense and deferred stay the same policy with sampled exits: they make the same draws in the same
+    order, so under invariant numerics tokens, exits and both log-probs agree bit for bit, and so does the
+    teacher-forced forward (both parts)."""
+    model = case.model(dtype)
+    dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy="sampled")
+    deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy="sampled")
+    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
+    assert torch.equal(dense.logprobs, deferred.logprobs), maxdiff(dense.logprobs, deferred.logprobs)
+    assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), maxdiff(
+        dense.exit_logprobs, deferred.exit_logprobs
+    )
+    tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
+    assert torch.equal(tok, dense.logprobs), f"tokens: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
+    assert torch.equal(ext, dense.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, dense.exit_logprobs):.3e}"
+
+
+@examples(20)
+@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
+def test_sampled_sequence_does_not_depend_on_its_batch(case, mode, data):
+    """One generator per sequence serves its exit draws and its token draws in a fixed order: a sequence
+    sampled alone (invariant numerics) is the one sampled in a batch, exits and log-probs included."""
+    model = case.model()
+    i = data.draw(st.integers(0, len(case.prompts) - 1))
+    batch = case.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled")
+    alone = dataclasses.replace(case, prompts=[case.prompts[i]])
+    alone = alone.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled", sequence_ids=[i])
+    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
+    assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i]) and torch.equal(
+        alone.logprobs[0], batch.logprobs[i]
+    )
+
+
+@examples(20)
+@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
+def test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
+    """The exit log-prob goes through the same hybrid: value = the replay's bits, gradient = the
+    teacher-forced one bit for bit; and now the exit gate learns (whenever a loop draws: min_loops < R)."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, exit_policy="sampled")
+    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
+    tok, ext = S.learner_logprobs(model, ro, numerics=tf_numerics, with_exits=True)
+    assert torch.equal(tok.detach(), ro.logprobs) and torch.equal(ext.detach(), ro.exit_logprobs)
+    joint = S.joint_logprobs(ro, tok, ext)
+    assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)
+    g_hybrid = _grads(model, joint, weights, ro.mask)
+    g_tf = _grads(
+        model, S.joint_logprobs(ro, *S.teacher_forced_logprobs(model, ro, tf_numerics, True)), weights, ro.mask
+    )
+    gate = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
+    learns = case.min_loops < case.cfg.total_ut_steps  # some loop draws, so log p(e) depends on the gates
+    expected = {n for n, _ in model.named_parameters() if learns or n not in gate}
+    assert g_tf.keys() == expected == g_hybrid.keys(), f"gradients on {sorted(g_tf)}"
+    for n in g_tf:
+        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
+
+
+def _chi2_sf(x: float, k: int) -> float:
+    """P(chi^2_k > x), from Q(k + 2) = Q(k) + (x/2)^(k/2) e^(-x/2) / Gamma(k/2 + 1), Q(1) = erfc(sqrt(x/2)),
+    Q(2) = e^(-x/2). No scipy needed."""
+    q, j = (math.erfc(math.sqrt(x / 2)), 1) if k % 2 else (math.exp(-x / 2), 2)
+    while j < k:
+        q += math.exp((j / 2) * math.log(x / 2) - x / 2 - math.lgamma(j / 2 + 1)) if x > 0 else 0.0
+        j += 2
+    return q
+
+
+def test_chi2_sf_matches_the_tables():
+    """Critical values from the chi-square tables (upper 1e-3 and 5e-2 points, k = 1..4)."""
+    for k, x999, x95 in [(1, 10.828, 3.841), (2, 13.816, 5.991), (3, 16.266, 7.815), (4, 18.467, 9.488)]:
+        assert abs(_chi2_sf(x999, k) - 1e-3) < 2e-6 and abs(_chi2_sf(x95, k) - 0.05) < 2e-5, k
+
+
+def _expected_exit_pmf(gates: torch.Tensor, min_loops: int, shift: float = 0.0) -> list[float]:
+    """p(r) for r = 1..R, float64, written out: lambda_r prod_{min_loops <= j < r}(1 - lambda_j), p(R) the
+    rest, 0 before min_loops (`shift` moves every gate logit: a deliberately wrong policy)."""
+    lam, R = torch.sigmoid(gates.double() + shift).tolist(), gates.numel()
+    p, survive = [0.0] * R, 1.0
+    for r in range(min_loops, R + 1):
+        p[r - 1] = survive * (lam[r - 1] if r < R else 1.0)
+        survive *= 1 - lam[r - 1]
+    return p
+
+
+@pytest.mark.parametrize("min_loops", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["dense", "deferred"])
+def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
+    """4,000 sequences share one prompt and draw one token each: their exit loops are 4,000 independent
+    draws from one p(r) (SPEC §3, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
+    written out here (float64, from the teacher-forced gates) must not reject at 1e-3. That is the
+    false-alarm rate per case (6 cases: 0.6% for the whole test under the null); the seeds are fixed, so
+    it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted by
+    0.2 are rejected (p < 1e-6)."""
+    cfg = S.Config(**(TINY | dict(total_ut_steps=4)))
+    model = S.LoopedLM(cfg, seed=min_loops)
+    with torch.no_grad():  # moderate gates (lambda ~ 0.2-0.6): every loop's expected count is >= 200
+        model.model.early_exit_gate.weight.mul_(0.1)
+        model.model.early_exit_gate.bias.fill_(-0.7)
+    prompt, n = [3, 1, 4], 4000
+    ro = S.rollout(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
+    gates = model.loop_outputs(torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
+    counts = Counter(e[0] for e in ro.exit_loops)
+    assert all(r >= min_loops for r in counts), counts
+
+    def p_value(pmf: list[float]) -> float:
+        cells = [r for r in range(1, cfg.total_ut_steps + 1) if pmf[r - 1] > 0]
+        assert all(n * pmf[r - 1] >= 50 for r in cells), pmf  # the chi-square approximation holds
+        x2 = sum((counts[r] - n * pmf[r - 1]) ** 2 / (n * pmf[r - 1]) for r in cells)
+        return _chi2_sf(x2, len(cells) - 1)
+
+    p_right = p_value(_expected_exit_pmf(gates, min_loops))
+    assert p_right >= 1e-3, (
+        f"exit loops {dict(counts)} vs p(r) {_expected_exit_pmf(gates, min_loops)}: p = {p_right:.2e}"
+    )
+    assert p_value(_expected_exit_pmf(gates, min_loops, shift=0.2)) < 1e-6
+    # Each sequence's one exit log-prob is log p(e) of its own draw.
+    want = torch.tensor([math.log(_expected_exit_pmf(gates, min_loops)[e[0] - 1]) for e in ro.exit_loops])
+    assert maxdiff(ro.exit_logprobs[:, 0].double(), want) < 1e-5
+
+
+def _sampled_grpo_rollout(case: Case, model: S.LoopedLM, mode: str) -> S.Rollout:
+    """`_grpo_rollout` with sampled exits: sequences of different lengths, sequences 0 and 1 differ."""
+    first = case.rollout(model, mode=mode, exit_policy="sampled")
+    ro = case.rollout(model, mode=mode, exit_policy="sampled", eos_id=first.completions[0][0])
+    assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
+    return ro
+
+
+def _sequence_grads_with_exits(model: S.LoopedLM, ro: S.Rollout) -> list[dict]:
+    """Per sequence b, by parameter name: the gradient of sum_t [log pi(token_bt | loop e_bt) + log p(e_bt)],
+    the token part teacher-forced, the exit part written here from the plain forward's gates (float64)."""
+    tf = S.teacher_forced_logprobs(model, ro)  # (B, N)
+    gates = model.loop_outputs(ro.tokens()).gate_logits  # (R, B, T), differentiable
+    params = dict(model.named_parameters())
+    out = []
+    for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        exit_sum = sum(
+            _exit_logprob_by_hand(gates[:, b, len(prompt) - 1 + k], e, ro.min_loops) for k, e in enumerate(exits)
+        )
+        gs = torch.autograd.grad(
+            (tf[b] * ro.mask[b]).sum() + exit_sum, list(params.values()), retain_graph=True, allow_unused=True
+        )
+        out.append({n: g for n, g in zip(params, gs) if g is not None})
+    return out
+
+
+@examples(12)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
+def test_sampled_first_iteration_applies_the_policy_gradient_with_the_exit_term(gc, mode, agg):
+    """With sampled exits the gradient grpo_update hands its optimizer on iteration 1 is
+    -sum_b w_b A_b grad sum_t [log pi(token) + log p(exit)], the exit term written out here from the gates
+    (float64): dropping the exit term (the gate would get no gradient), its sign or its scale fails. The
+    iteration-1 ratios of the joint policy are exactly 1."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _sampled_grpo_rollout(case, model, mode)
+    opt = RecordingOptimizer(model)
+    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
+    assert len(opt.records) == 1 and m["exact/mismatched_exit_logprobs"] == 0
+    applied = opt.records[0][1]
+    A, w, seq = _advantages(rewards, G), _sequence_weights(agg, ro.mask), _sequence_grads_with_exits(model, ro)
+    assert applied.keys() == seq[0].keys(), f"{sorted(applied)} vs {sorted(seq[0])}"
+    learns = case.min_loops < case.cfg.total_ut_steps
+    assert ("model.early_exit_gate.bias" in applied) == learns
+    sensitive = set()
+    for n in applied:
+        expect = -sum(w[b] * A[b] * seq[b][n] for b in range(len(seq)))
+        tol = 1e-12 + 1e-9 * expect.abs() + 2**-20 * sum((w[b] * A[b]).abs() * seq[b][n].abs() for b in range(len(seq)))
+        diff = (applied[n] - expect).abs()
+        assert bool((diff <= tol).all()), f"{n}: max |applied - expected| = {diff.max():.3e} ({agg}, {mode})"
+        if bool((expect.abs() > tol).any()):
+            sensitive.add(n)
+    assert sensitive, "the expected gradient is within tolerance of 0 everywhere: the test would be vacuous"
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_ratio"] == 0.0, m
+
+
+def test_loop_cost_reward_hand_computed():
+    """reward = task reward - c x mean exit loop; c = 0 is the task reward itself (plain GRPO)."""
+    assert S.loop_cost_reward(1.0, [1, 2, 3], 0.25) == 0.5  # values exact in binary: equality is fair
+    assert S.loop_cost_reward(0.0, [4, 4], 0.25) == -1.0
+    assert S.loop_cost_reward(1.0, [1, 4], 0.0) == 1.0 and S.loop_cost_reward(0.5, [], 0.3) == 0.5
+
+
+def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
+    """The default policy: exit log-probs are 0 (its exits are not actions), records carry no
+    "exit_logprobs", and an explicit exit_policy="threshold" is the default bit for bit."""
+    model = S.LoopedLM(S.Config(**TINY), seed=0)
+    a = S.rollout(model, [[1, 2], [3]], max_new_tokens=5, seed=1)
+    b = S.rollout(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
+    assert a.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
+    assert a.completions == b.completions and a.exit_loops == b.exit_loops and torch.equal(a.logprobs, b.logprobs)
+    assert all("exit_logprobs" not in r for r in S.rollout_records(a))
+    with pytest.raises(ValueError, match="threshold rule"):
+        S.rollout(model, [[1]], exit_policy="sampled", exit_rule="hf")
+    with pytest.raises(ValueError, match="exit policy"):
+        S.rollout(model, [[1]], exit_policy="always")
+
+
+def _sampled_records(n_prompts=10, new=12, min_loops=1, seed=0) -> tuple[S.LoopedLM, list[dict]]:
+    model = S.LoopedLM(S.Config(**(TINY | dict(total_ut_steps=3))), seed=0).double()
+    prompts = [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(n_prompts)]
+    ro = S.rollout(model, prompts, max_new_tokens=new, exit_policy="sampled", min_loops=min_loops, seed=seed)
+    return model, S.rollout_records(ro)
+
+
+def test_verify_checks_sampled_exit_records(tmp_path, capsys):
+    """verify reads the optional "exit_logprobs" of sampled-exit records and checks them against the
+    reference (exit loops are draws, not rule decisions): the reference's own records pass, a perturbed
+    exit log-prob fails naming it, and an exit before --min-loops is a violation."""
+    _, recs = _sampled_records(min_loops=2)
+    assert all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(TINY | {"total_ut_steps": 3}))
+    good = _write_records(tmp_path / "good.jsonl", recs)
+    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "2", "--engine-dtype", "float64")
+    tokens = sum(len(r["completion_ids"]) for r in recs)
+    assert rc == 0 and s["exit_logprob_tokens"] == tokens and s["mismatched_exit_logprobs"] == 0, s
+    assert s["exit_rule_violations"] == 0 and s["max_abs_exit_diff"] <= 1e-12, s
+    bad = [dict(r) for r in recs]
+    bad[3] = dict(bad[3], exit_logprobs=[x + (1e-3 if k == 1 else 0) for k, x in enumerate(bad[3]["exit_logprobs"])])
+    bad_path = _write_records(tmp_path / "bad.jsonl", bad)
+    rc, s = _verify_json(capsys, cfg_path, bad_path, "--min-loops", "2", "--engine-dtype", "float64")
+    assert rc == 1 and s["mismatched_exit_logprobs"] == 1, s
+    assert s["first_exit_mismatch"]["sequence"] == 3 and s["first_exit_mismatch"]["token"] == 1, s
+    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "3", "--engine-dtype", "float64")  # exits at 2 too
+    assert rc == 1 and s["exit_rule_violations"] > 0 and s["mismatched_exit_logprobs"] > 0, s
+
+
+def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
+    """`rollout --exit-policy sampled` writes records with exit_logprobs that `verify` accepts."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n')
+    out = tmp_path / "r.jsonl"
+    rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)]
+                 + ["--exit-policy", "sampled", "--max-new-tokens", "6"])  # fmt: skip
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    rc, s = _verify_json(capsys, Path(TINY_JSON), out)
+    assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
+
+
+def test_bad_exit_logprobs_record_exits_2_naming_the_line(tmp_path, capsys):
+    """A record's exit_logprobs must be one finite number per completion token."""
+    good = dict(GOOD_RECORD, exit_logprobs=[-0.5] * len(GOOD_RECORD["completion_ids"]))
+    for bad, needle in [(dict(good, exit_logprobs=[-0.5]), "'exit_logprobs' must be a list of"),
+                        (dict(good, exit_logprobs="x"), "'exit_logprobs' must be a list of")]:  # fmt: skip
+        path = tmp_path / "r.jsonl"
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(path)])
+        assert rc == 2
+        _one_line_error(err, f"{path}:2:", needle)
+
+
+SAMPLED_BAD_FLAGS = [
+    ("train", ["--loop-cost", "-1"]),
+    ("train", ["--loop-cost", "nan"]),
+    ("demo", ["--loop-cost", "inf"]),
+    ("train", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
+    ("demo", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
+    ("rollout", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
+]
+
+
+@pytest.mark.parametrize("command,extra", SAMPLED_BAD_FLAGS)
+def test_sampled_exit_flags_refused_before_any_work(tmp_path, capsys, command, extra):
+    """--loop-cost must be a finite number >= 0, and sampled exits do not combine with the hf rule (a
+    threshold rule's arithmetic): exit 2 naming the flag, before any work, nothing written."""
+    rc, err = _run(capsys, _flags(tmp_path, command) + extra)
+    assert rc == 2
+    _one_line_error(err, extra[0])
+    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "options", [dict(numerics="invariant"), dict(dtype="bfloat16", mu=2), dict(mode="dense", beta=0.1, mu=2)]
+)
+def test_training_with_sampled_exits_is_exact_with_every_option(options):
+    """Two GRPO steps with sampled exits and a loop cost, under invariant numerics, bfloat16, dense mode,
+    mu = 2 and a KL term: every step's replay reproduces both log-probs bit for bit, and the metrics report
+    both parts of the policy's log-prob."""
+    cfg = S.TrainConfig(config=TINY_JSON, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
+                        reward="digits", exit_policy="sampled", loop_cost=0.1, **options)  # fmt: skip
+    history = S.train(cfg, log=lambda *_: None)["history"]
+    for m in history:
+        assert m["exact/mismatched_tokens"] == 0 and m["exact/mismatched_exit_logprobs"] == 0, m
+        assert m["sampling/sampling_logp_difference/max"] == 0.0 and m["exit/logprob_mean"] < 0, m
+        assert m["reward"] < m["task_reward"]  # every sequence pays for at least one loop
+
+
+def test_resumed_sampled_run_equals_uninterrupted(tmp_path):
+    """--resume with sampled exits continues bit for bit: 3 steps straight = 2 steps, then resumed to 3."""
+    base = dict(config=TINY_JSON, prompts_per_step=2, group_size=2, max_new_tokens=4, reward="digits",
+                exit_policy="sampled", loop_cost=0.05, save_every=1)  # fmt: skip
+    straight = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "a"), **base), log=lambda *_: None)["model"]
+    S.train(S.TrainConfig(steps=2, out=str(tmp_path / "b"), **base), log=lambda *_: None)
+    resumed = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "b"), resume=True, **base), log=lambda *_: None)[
+        "model"
+    ]
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
