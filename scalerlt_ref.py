@@ -1418,6 +1418,12 @@ def _check_finite_loss(loss: torch.Tensor, tf: torch.Tensor, mask: torch.Tensor,
         )
 
 
+def _check_finite_grad_norm(grad_norm: torch.Tensor, it: int) -> torch.Tensor:
+    if not torch.isfinite(grad_norm):
+        raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
+    return grad_norm
+
+
 def _audit_first_iteration(
     model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, check_replay: bool
 ) -> dict:
@@ -1531,9 +1537,7 @@ def grpo_update(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         _all_reduce_grads(model, all_reduce)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
+        grad_norm = _check_finite_grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm), it)
         opt.step()
         _check_finite_params(model, f"after the optimizer step of inner iteration {it + 1}")
         # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
@@ -4339,7 +4343,7 @@ def build_parser():
     )
     d.add_argument("--config", default=str(CONFIGS / "demo.json"), help="model config")
     d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
-    d.add_argument("--steps", type=int, default=60, help="GRPO steps")
+    d.add_argument("--steps", type=int, default=70, help="GRPO steps")
     d.add_argument("--prompts-per-step", type=int, default=32, help="prompts per GRPO step")
     d.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     d.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
