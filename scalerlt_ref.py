@@ -1693,55 +1693,6 @@ def is_hf_config(d) -> bool:
     return isinstance(d, dict) and ("model_type" in d or "architectures" in d)
 
 
-def config_from_hf(d: dict, source: str = "<dict>") -> Config:
-    """Translate an HF Ouro config.json dict: HF metadata is skipped, missing keys take OuroConfig's
-    defaults, and settings that would change the math this module implements are refused."""
-    _check_hf_semantics(d, source)
-    known = {f.name for f in dataclasses.fields(Config)}
-    kw = {}
-    for key, value in d.items():
-        if key in known:
-            kw[key] = value
-        elif key not in _HF_IGNORED_KEYS:
-            warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
-    for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
-        kw.setdefault(key, value)
-    if kw.get("num_key_value_heads") is None:
-        kw["num_key_value_heads"] = kw["num_attention_heads"]
-    # NOTE: no threshold (absent or null) stays None: HF then reads out the last loop, always. (Until issue
-    # 11 this became 1.0, which exits wherever a float32 CDF rounds to 1: a different policy.)
-    kw.setdefault("early_exit_threshold", None)
-    if kw.get("head_dim") is None:
-        kw.pop("head_dim", None)
-    if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
-        kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
-    return _build_config(kw, source)
-
-
-def config_from_dict(d: dict, source: str = "<dict>") -> Config:
-    """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
-    typo would change the model unnoticed). Also `Config.from_dict`."""
-    if is_hf_config(d):
-        return config_from_hf(d, source)
-    if not isinstance(d, dict):
-        raise ValueError(f"{source}: a config must be a JSON object")
-    known = {f.name for f in dataclasses.fields(Config)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
-    return _build_config(d, source)
-
-
-def _build_config(kw: dict, source: str) -> Config:
-    """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
-    try:
-        cfg = Config(**kw)
-        _check_config_size(cfg)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
-    return cfg
-
-
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
     "hidden_act": (str,),
     "rope_scaling": (dict, type(None)),
@@ -1779,6 +1730,55 @@ def _check_hf_semantics(d: dict, source: str):
         raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
     if d.get("attention_bias"):
         raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
+
+
+def _build_config(kw: dict, source: str) -> Config:
+    """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
+    try:
+        cfg = Config(**kw)
+        _check_config_size(cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+    return cfg
+
+
+def config_from_hf(d: dict, source: str = "<dict>") -> Config:
+    """Translate an HF Ouro config.json dict: HF metadata is skipped, missing keys take OuroConfig's
+    defaults, and settings that would change the math this module implements are refused."""
+    _check_hf_semantics(d, source)
+    known = {f.name for f in dataclasses.fields(Config)}
+    kw = {}
+    for key, value in d.items():
+        if key in known:
+            kw[key] = value
+        elif key not in _HF_IGNORED_KEYS:
+            warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
+    for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
+        kw.setdefault(key, value)
+    if kw.get("num_key_value_heads") is None:
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+    # NOTE: no threshold (absent or null) stays None: HF then reads out the last loop, always. (Until issue
+    # 11 this became 1.0, which exits wherever a float32 CDF rounds to 1: a different policy.)
+    kw.setdefault("early_exit_threshold", None)
+    if kw.get("head_dim") is None:
+        kw.pop("head_dim", None)
+    if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
+        kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+    return _build_config(kw, source)
+
+
+def config_from_dict(d: dict, source: str = "<dict>") -> Config:
+    """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
+    typo would change the model unnoticed). Also `Config.from_dict`."""
+    if is_hf_config(d):
+        return config_from_hf(d, source)
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: a config must be a JSON object")
+    known = {f.name for f in dataclasses.fields(Config)}
+    for key in d:
+        if key not in known:
+            raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
+    return _build_config(d, source)
 
 
 def config_to_hf(cfg: Config) -> dict:
@@ -2740,91 +2740,18 @@ class TrainConfig:
         check_train_flags(self)
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
-
-    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
-    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
-    """
-    cfg.validate()
-    dist = _distributed_setup(cfg)
-    rank, world = dist["rank"], dist["world"]
-    if cfg.prompts_per_step % world:
-        raise ValueError(
-            f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {world}"
-        )
-    say = log if rank == 0 else (lambda *_: None)
-    device = torch.device(
-        cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
-    )
-    out = Path(cfg.out) if cfg.out else None
-    if cfg.resume and not (out / "trainer_state.pt").exists():
-        raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
-    model, tok = _load_policy(cfg, device)
-    problems = _load_problems(cfg, tok, model.config)
-    grpo = cfg.grpo()
-    start_step, opt_state, ref_state = 0, None, None
-    if cfg.resume:
-        start_step, opt_state, ref_state = _load_trainer_state(out / "trainer_state.pt", model)
-        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
-    elif cfg.sft_steps and not cfg.model:
-        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
-    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
-    opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
-    if rank == 0 and model.dtype == torch.bfloat16:
-        slow = bf16_warning(bf16_slowdown(model.config, device))
-        if slow:
-            say(slow)
-    if on_start is not None:
-        on_start(model, tok)
-    ref = None
-    if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
-        ref = empty_model(model.config, model.dtype, device)
-        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
-    if out:
-        _truncate_logs(out, rank, start_step, say)
-    t_run = time.time()
-    history = []
-    for step in range(start_step, cfg.steps):
-        try:
-            m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
-        except (NonFiniteError, ReplayMismatchError) as e:
-            last = out / "trainer_state.pt" if out else None
-            where = (
-                f"{last} (step {torch.load(last, weights_only=True)['step']})"
-                if last and last.exists()
-                else "no checkpoint was written yet"
-            )
-            say(
-                f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
-                "Try a lower --lr, float32, or a smaller --max-grad-norm."
-            )
-            raise
-        history.append(m)
-        if rank == 0:
-            eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
-            say(
-                f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
-                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-                + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
-                + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
-            )
-            if out:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(m) + "\n")
-            if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                save_trainer_state(
-                    out,
-                    model,
-                    opt,
-                    step + 1,
-                    {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None},
-                )
-    if dist["world"] > 1:
-        torch.distributed.destroy_process_group()
-    return {"model": model, "tokenizer": tok, "history": history}
+def rollout_records(ro: Rollout) -> list[dict]:
+    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
+    after that position's exit loop exit_loops[k] (1-based). Sampled exits add "exit_logprobs", the log-prob
+    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k])."""
+    records = []
+    for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
+        rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
+        rec["logprobs"] = [float(x) for x in ro.logprobs[b, : len(c)]]
+        if ro.exit_policy == "sampled":
+            rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
+        records.append(rec | {"temperature": ro.temperature})
+    return records
 
 
 def _train_step(
@@ -2939,19 +2866,6 @@ def _load_trainer_state(path: Path, model: LoopedLM):
     return state["step"], state["optimizer"], state["extra"].get("reference")
 
 
-def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and
-    temp files of interrupted writes are removed."""
-    out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        _remove_stale_temp_files(out, say)
-    metrics_path = out / "metrics.jsonl"
-    for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:
-        if log_file.exists() and (rank == 0 or log_file != metrics_path):
-            keep = _log_lines_upto(log_file, start_step, say)
-            _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
-
-
 def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
     """The lines of a JSONL log with "step" <= `step`. A torn last line (a run killed mid-write) is
     dropped and reported; any other bad line is an error naming the file and line."""
@@ -2989,6 +2903,19 @@ def _remove_stale_temp_files(out: Path, say: Callable[[str], None]) -> None:
         say(f"removed {tmp} (left by an interrupted write)")
 
 
+def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
+    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and
+    temp files of interrupted writes are removed."""
+    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        _remove_stale_temp_files(out, say)
+    metrics_path = out / "metrics.jsonl"
+    for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:
+        if log_file.exists() and (rank == 0 or log_file != metrics_path):
+            keep = _log_lines_upto(log_file, start_step, say)
+            _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
+
+
 def _fmt_time(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s"
 
@@ -3016,25 +2943,98 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     }
 
 
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
+
+    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
+    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
+    """
+    cfg.validate()
+    dist = _distributed_setup(cfg)
+    rank, world = dist["rank"], dist["world"]
+    if cfg.prompts_per_step % world:
+        raise ValueError(
+            f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {world}"
+        )
+    say = log if rank == 0 else (lambda *_: None)
+    device = torch.device(
+        cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
+    )
+    out = Path(cfg.out) if cfg.out else None
+    if cfg.resume and not (out / "trainer_state.pt").exists():
+        raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
+    model, tok = _load_policy(cfg, device)
+    problems = _load_problems(cfg, tok, model.config)
+    grpo = cfg.grpo()
+    start_step, opt_state, ref_state = 0, None, None
+    if cfg.resume:
+        start_step, opt_state, ref_state = _load_trainer_state(out / "trainer_state.pt", model)
+        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
+    elif cfg.sft_steps and not cfg.model:
+        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
+    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
+    opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    if rank == 0 and model.dtype == torch.bfloat16:
+        slow = bf16_warning(bf16_slowdown(model.config, device))
+        if slow:
+            say(slow)
+    if on_start is not None:
+        on_start(model, tok)
+    ref = None
+    if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
+        ref = empty_model(model.config, model.dtype, device)
+        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
+    if out:
+        _truncate_logs(out, rank, start_step, say)
+    t_run = time.time()
+    history = []
+    for step in range(start_step, cfg.steps):
+        try:
+            m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
+        except (NonFiniteError, ReplayMismatchError) as e:
+            last = out / "trainer_state.pt" if out else None
+            where = (
+                f"{last} (step {torch.load(last, weights_only=True)['step']})"
+                if last and last.exists()
+                else "no checkpoint was written yet"
+            )
+            say(
+                f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+                "Try a lower --lr, float32, or a smaller --max-grad-norm."
+            )
+            raise
+        history.append(m)
+        if rank == 0:
+            eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
+            say(
+                f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
+                + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
+                + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
+            )
+            if out:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(m) + "\n")
+            if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+                save_trainer_state(
+                    out,
+                    model,
+                    opt,
+                    step + 1,
+                    {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None},
+                )
+    if dist["world"] > 1:
+        torch.distributed.destroy_process_group()
+    return {"model": model, "tokenizer": tok, "history": history}
+
+
 # ---------------------------------------------------------------------------------------------------
-# The oracle: rollout records and their verification
+# The oracle: reading rollout records (written by `rollout_records`, under Trainer) and verifying them
 # ---------------------------------------------------------------------------------------------------
 
 RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
-
-
-def rollout_records(ro: Rollout) -> list[dict]:
-    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
-    after that position's exit loop exit_loops[k] (1-based). Sampled exits add "exit_logprobs", the log-prob
-    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k])."""
-    records = []
-    for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
-        rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
-        rec["logprobs"] = [float(x) for x in ro.logprobs[b, : len(c)]]
-        if ro.exit_policy == "sampled":
-            rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
-        records.append(rec | {"temperature": ro.temperature})
-    return records
 
 
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -3629,6 +3629,13 @@ def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: 
     print(f"wrote {path}")
 
 
+def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "model", None):
+        return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
+    return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
+
+
 def cmd_verify(args) -> int:
     """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
     try:
@@ -3696,13 +3703,6 @@ def cmd_verify(args) -> int:
     passed = summary.pop("passed")
     print(json.dumps(summary))
     return 0 if passed else 1
-
-
-def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if getattr(args, "model", None):
-        return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
-    return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
 def cmd_rollout(args) -> int:
@@ -4191,6 +4191,38 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [m["step"] for m in history]
+    acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
+    smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
+    ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
+    ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
+    ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
+    ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("accuracy")
+    loops = ax.twinx()  # depth on its own axis, in loops
+    loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
+    loops.set_ylim(1, R)
+    loops.set_ylabel("mean exit loop")
+    handles = ax.get_legend_handles_labels()
+    more = loops.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    print(f"wrote {path}")
+
+
 def cmd_demo(args) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     check_demo_flags(args)
@@ -4279,38 +4311,6 @@ def cmd_demo(args) -> int:
     }
     print(json.dumps(summary))
     return 0
-
-
-def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no plot)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [m["step"] for m in history]
-    acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
-    smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
-    ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
-    ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
-    ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
-    ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("accuracy")
-    loops = ax.twinx()  # depth on its own axis, in loops
-    loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
-    loops.set_ylim(1, R)
-    loops.set_ylabel("mean exit loop")
-    handles = ax.get_legend_handles_labels()
-    more = loops.get_legend_handles_labels()
-    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
-    print(f"wrote {path}")
 
 
 def _model_flags(p, dtype_default: str) -> None:
