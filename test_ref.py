@@ -871,29 +871,15 @@ def test_teacher_forced_gradient_finite_differences():
             assert abs(fd - g) <= 1e-6 * max(1.0, abs(g)) + 1e-7, f"{name}{idx}: fd {fd} vs grad {g}"
 
 
+def _train_args(steps: int, save_every: int) -> list[str]:
+    """A tiny `train` run's flags: 2 prompts x 2 completions a step on the built-in task."""
+    return ["train", "--config", TINY_JSON, "--steps", str(steps), "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "6", "--subset", "20", "--device", "cpu", "--lr", "1e-2",
+            "--save-every", str(save_every)]  # fmt: skip
+
+
 def _train(tmp_path, *extra):
-    args = [
-        "train",
-        "--config",
-        TINY_JSON,
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "6",
-        "--subset",
-        "20",
-        "--device",
-        "cpu",
-        "--lr",
-        "1e-2",
-        "--save-every",
-        "1",
-    ]
-    return S.main(args + list(extra))
+    return S.main(_train_args(steps=2, save_every=1) + list(extra))
 
 
 # `scalerlt_ref.py train` with the global torch RNG seeded (a fresh process's is seeded at random, so two
@@ -923,29 +909,7 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     """A run SIGKILLed between two checkpoints (after step 3's metrics and step 4's update, with step 2
     the last checkpoint), resumed, ends bit for bit where a run that never stopped ends: the weights,
     every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside)."""
-    args = [
-        "train",
-        "--config",
-        TINY_JSON,
-        "--steps",
-        "4",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "6",
-        "--subset",
-        "20",
-        "--device",
-        "cpu",
-        "--lr",
-        "1e-2",
-        "--save-every",
-        "2",
-        "--reward",
-        "digits",
-    ]
+    args = _train_args(steps=4, save_every=2) + ["--reward", "digits"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     a, b, flag = tmp_path / "a", tmp_path / "b", tmp_path / "step4_updated"
     subprocess.run(
