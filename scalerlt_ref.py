@@ -3933,8 +3933,8 @@ def cmd_bench(args) -> int:
                 f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)",
             )
         )
-        if bf16_warning(slowdown):
-            rows.append(("bfloat16", "", bf16_warning(slowdown)))
+        if warning := bf16_warning(slowdown):
+            rows.append(("bfloat16", "", warning))
     for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         suffix = "" if dtype_name == "bfloat16" else "_fp32"
