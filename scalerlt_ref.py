@@ -1,96 +1,38 @@
 """ScaleRLT reference: exact reinforcement learning on looped (Ouro-style) language models.
 
-A looped language model applies one stack of L decoder layers R times ("loops"); after every loop a
-learned exit gate says how likely the token is to be done. Easy tokens can stop after fewer loops, so
-decoding is cheap *if* the loops an exiting token skips are really skipped. This module is three
-things at once (the contract is SPEC.md; the README has the derivations):
-
-1. a teaching reference: read it top to bottom once and you can explain why a rollout that skips work
-   and a learner that recomputes densely agree bit for bit;
-2. a trainer (GRPO on small GSM8K subsets; see the commands at the bottom);
-3. an oracle: other engines check their tokens, exit loops and log-probs against it.
+A looped language model applies one stack of L decoder layers R times ("loops"); after every loop a learned
+exit gate says how likely the token is to be done, so easy tokens can stop early. This module is a teaching
+reference (read it top to bottom once), a trainer (GRPO; the commands are at the bottom) and an oracle that
+other engines check their tokens, exit loops and log-probs against. Its contract is the README's "Contract"
+section, cited here as Contract §N; the README also has the derivations and every guarantee with its test.
 
 The method in four lines:
-- Deferred rollouts: a token stops at its exit loop. Loops it skipped are computed later, only if a
-  later token needs them (its K/V at that loop), riding along as extra rows in that token's call.
+- Deferred rollouts: a token stops at its exit loop. Loops it skipped are computed later, only if a later
+  token needs them (its K/V at that loop), riding along as extra rows in that token's calls.
 - Every rollout records its *schedule*: the ordered calls (loop, rows) it made.
-- Replay re-executes the schedule with the same code, so it reproduces the sampler's log-probs bit for
-  bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense
-  teacher-forced forward: `replay.detach() + (tf - tf.detach())`.
-- So GRPO's first-iteration ratios are exactly 1, in float32 and bfloat16.
-Optionally (`exit_policy="sampled"`) the exit loop is itself an action, drawn from the gates' exit
-distribution; its log-prob joins the token's, is replayed and differentiated the same way, and a loop-cost
-reward lets GRPO learn to think less deeply where it can.
+- Replay re-executes the schedule through the same function, so it reproduces the sampler's log-probs bit for
+  bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense teacher-forced
+  forward, `replay.detach() + (tf - tf.detach())`: GRPO's first-iteration ratios are exactly 1.
+- Optionally the exit loop is itself an action (`exit_policy="sampled"`), replayed and differentiated alike.
 
-Why bits differ at all: a floating-point result depends on how an operation is batched, not only on
-its inputs (kernels are picked by shape). A deferred rollout, a dense rollout and a teacher-forced
-learner batch a token's rows differently, so they get slightly different log-probs (the README,
-"Why fast numerics differ in bits", has the measurements). Two fixes, both here: `numerics="invariant"`
-computes every row on its own (slow; how the tests prove the algorithm), and the replay, which
-re-executes the *same* calls through the *same* function and so gets the *same* bits.
+Why bits differ at all: a floating-point result depends on how an operation is batched (kernels are picked
+by shape), and a deferred rollout, a dense one and a teacher-forced learner batch a token's rows differently.
+Two fixes, both here: `numerics="invariant"` computes every row alone (slow; how the tests prove the
+algorithm), and the replay, which re-executes the *same* calls and so gets the *same* bits.
 
-How the file reads. Everything the method needs comes first, in this order, and nothing in it uses a
-name defined further down: config -> numerics -> model -> exit rule -> KV cache -> calls and schedules
--> the policy (log-probs, sampling, the readout) -> rollouts -> learner log-probs -> GRPO. Then a
-banner, and below it the tooling: config files and HF checkpoints, tokenizers, data and rewards, the warm
-start, the trainer and torchrun, the oracle, the bench, the commands.
+Reading order: config -> numerics -> model -> exit rule -> KV cache and calls -> the policy -> rollouts ->
+learner log-probs -> GRPO. Then a banner, and below it the tooling (files and checkpoints, data and rewards,
+the warm start, the trainer, the oracle, the bench, the commands); nothing above the banner needs it.
+Simplified on purpose: one process runs one model; the KV cache is a dense (B, KVH, T, D) tensor per loop and
+layer; sampling runs on the CPU from each sequence's own generator; no sliding window, RoPE scaling or
+attention bias (Ouro-1.4B uses none of them).
 
-What the tests (test_ref.py) prove, each with its test:
-- the model computes SPEC §2: `test_loop_outputs_match_slow_twin` (a per-position twin written from the
-  SPEC alone); checkpoints round-trip exactly: `test_checkpoint_round_trip_is_exact`;
-- the exit rule is SPEC §3's formula: `test_exit_rule_is_the_spec_formula`, and it stays undecided
-  until it decides: `test_exit_is_undecided_until_it_is_decided`;
-- replay reproduces a rollout bit for bit (dense and deferred, float32 and bfloat16):
-  `test_replay_is_bitwise`, `test_schedule_json_round_trip_replays_bitwise`;
-- under invariant numerics dense, deferred and teacher-forced agree bit for bit:
-  `test_invariant_dense_deferred_teacher_forced_bitwise`; under fast numerics, to rounding:
-  `test_fast_schedules_agree_to_rounding`; float64 rollouts equal a from-scratch recompute:
-  `test_float64_rollout_matches_full_recompute`;
-- the hybrid's value is the replay's and its gradient the teacher-forced one, bit for bit:
-  `test_hybrid_value_is_replay_and_gradient_is_teacher_forced`;
-- deferral does the work it claims: `test_each_loop_of_each_position_computed_once_in_order`,
-  `test_deferred_never_does_more_work_than_dense`, `test_deferred_step_makes_e_new_calls`;
-- GRPO's pieces are hand-checked: `test_group_advantages_hand_computed`,
-  `test_loss_aggregations_hand_computed`, `test_clipped_surrogate_hand_computed`;
-- the learner's first-iteration value is the sampler's bits: `test_learner_value_is_the_recorded_logprobs_bitwise`,
-  and a replay one ulp off refuses the step: `test_replay_mismatch_refuses_the_step`;
-- the gradient `grpo_update` applies is the policy gradient: `test_first_iteration_applies_the_policy_gradient`,
-  `test_later_iteration_gradient_with_clipping_matches_finite_differences`,
-  `test_one_small_step_moves_log_probs_with_the_advantage`;
-- a run killed and resumed continues bit for bit: `test_resumed_run_equals_uninterrupted`;
-- bad input is a one-line error, never a traceback: `test_fuzzed_bad_records_exit_2_naming_file_and_line`,
-  `test_fuzzed_bad_configs_exit_2_naming_file_and_key`, `test_bad_flag_refused_before_any_work`.
-- exit rules are data: the "hf" rule is Hugging Face modeling_ouro.py's arithmetic bit for bit (float32
-  and bfloat16): `test_hf_rule_is_hf_arithmetic_bitwise`; both rules decide loop by loop:
-  `test_both_rules_decide_after_each_loop`; replay stays bitwise under both:
-  `test_replay_is_bitwise_under_both_rules`; no threshold exits at R: `test_no_threshold_means_exit_at_R`;
-- the oracle for real engines: the sampler test raises no false alarm on the reference's own rollouts
-  and catches a wrong temperature: `test_sampler_test_accepts_the_reference_own_rollouts`,
-  `test_sampler_test_flags_a_temperature_mismatch`; batching changes no result:
-  `test_verify_batched_equals_one_at_a_time`; the reference's own bfloat16 rollouts pass at their
-  precision: `test_verify_bfloat16_rollouts_of_the_reference`;
-- sampled exits (issue 13) are part of the policy and stay exact: the exit log-prob is SPEC §3's p(e):
-  `test_exit_logprob_is_the_spec_formula`; the replay reproduces tokens' and exits' log-probs bit for bit
-  (float32 and bfloat16, dense and deferred): `test_sampled_exits_replay_bitwise`; under invariant numerics
-  dense, deferred and teacher-forced agree in both parts:
-  `test_sampled_invariant_dense_deferred_teacher_forced_bitwise`; the hybrid's value and gradient are
-  bitwise, and the gate learns:
-  `test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced`; the exit loops follow p(r) (a
-  chi-square test, false-alarm rate 1e-3 per case): `test_sampled_exit_loops_follow_the_exit_distribution`;
-  GRPO's first gradient includes the exit term:
-  `test_sampled_first_iteration_applies_the_policy_gradient_with_the_exit_term`; verify checks exit
-  log-probs: `test_verify_checks_sampled_exit_records`.
-
-What this reference simplifies (on purpose):
-1. One process runs one model; the KV cache is a dense (B, G, T, D) tensor per loop and layer.
-2. Sampling happens on the CPU from each sequence's own `torch.Generator`.
-3. No sliding-window attention, no RoPE scaling, no attention bias (Ouro-1.4B uses none of them).
-
-Shape letters, one meaning each: B sequences, T positions, N new tokens (completion length), R loops,
-L layers, C width (hidden_size), H query heads, KVH key/value heads, D head size, I MLP width,
-V vocabulary, n rows of a call, n_out rows read out in a call; in GRPO, G completions per prompt (the group)
-and P prompts per step. Lowercase names carry one meaning too: r a loop, p a position, b a sequence,
-k/v keys/values, g gate logits, e an exit loop, h a loop's output. Loops are 1-based (1..R), positions 0-based.
+Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L
+layers, C width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a
+call, n_out rows read out in a call; in GRPO, G completions per prompt and P prompts per step; in attention,
+Bc the call's sequences, Tq their most rows, Tk key positions. Names: r a loop (1-based), p a position
+(0-based), b a sequence, e an exit loop, h a loop's output, g gate logits, lam = sigmoid(g), tau the exit
+threshold, k/v keys/values, logp log-probabilities, tf teacher-forced, tok_index a completion token's index.
 
 Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
 """
@@ -121,21 +63,10 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------------
 
 
-def _is_finite_number(v) -> bool:
-    """An int or float (not a bool) that is finite; an int too large for a float is not."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
 @dataclass
 class Config:
-    """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from
-    checkpoint to code). Reading files (`Config.from_json`, `Config.from_dict`, HF config.json) is
-    tooling, attached under "Config files and HF checkpoints", below the seam."""
+    """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from checkpoint
+    to code). Trusted here: configs are checked where they are read (`load_config`, below the banner)."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
@@ -156,53 +87,8 @@ class Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
-            if f.type == "float" and not _is_finite_number(v):
-                raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
-            if f.type == "float | None" and v is not None and not _is_finite_number(v):
-                raise ValueError(f"config key {f.name!r} must be a finite number or null, got {v!r}")
-            if f.type == "bool" and not isinstance(v, bool):
-                raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
-            if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"config key {name!r} must be >= 1, got {getattr(self, name)}")
-        if self.total_ut_steps < 1:
-            raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {self.total_ut_steps}")
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"config key 'num_attention_heads' ({self.num_attention_heads}) must divide "
-                    f"'hidden_size' ({self.hidden_size}) when 'head_dim' is not given"
-                )
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {self.head_dim}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"config key 'num_key_value_heads' ({self.num_key_value_heads}) must divide "
-                f"'num_attention_heads' ({self.num_attention_heads})"
-            )
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            v = getattr(self, name)
-            if v is not None and not 0 <= v < self.vocab_size:
-                raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{self.vocab_size - 1}")
-        if self.initializer_range < 0:
-            raise ValueError(f"config key 'initializer_range' must be >= 0, got {self.initializer_range}")
+        if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+            self.head_dim = self.hidden_size // max(1, self.num_attention_heads)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -225,8 +111,6 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
     """
     if numerics == "fast":
         return fn(*rows)
-    if numerics != "invariant":
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     return torch.cat([fn(*(t[i : i + 1] for t in rows)) for i in range(rows[0].shape[0])])
 
 
@@ -309,26 +193,26 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, KVH, D)  # (n, KVH, D)
         k_cache[seq, :, pos] = k  # NOTE: written before attending: rows of one call see each other causally
         v_cache[seq, :, pos] = v
-        # Pack the rows as (sequence, row-within-sequence) so each sequence attends to its own cache.
-        seqs, slot, counts = torch.unique_consecutive(seq, return_inverse=True, return_counts=True)
-        j = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[slot]  # (n,) index within seq
+        # Pack the rows as (sequence slot, row within its sequence) so each sequence attends to its own cache.
+        seqs, slot, counts = torch.unique_consecutive(seq, return_inverse=True, return_counts=True)  # (Bc,) ...
+        row_in_seq = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[slot]  # (n,)
         # NOTE: Tk comes from the call's rows, not from the cache's allocated length, so a call's shapes
         # (and so its bits) are the same in a rollout and in its replay, whose caches differ in length.
-        nb, m, Tk = seqs.numel(), int(counts.max()), int(pos.max()) + 1
-        qp = q.new_zeros(nb, m, H, D)
-        qp[slot, j] = q  # (nb, m, H, D)
-        qpos = pos.new_zeros(nb, m)
-        qpos[slot, j] = pos  # (nb, m); padding rows sit at position 0 and are dropped below
-        K = k_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
-        V = v_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (nb, H, Tk, D)
-        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (nb, H, m, Tk)
+        Bc, Tq, Tk = seqs.numel(), int(counts.max()), int(pos.max()) + 1
+        qp = q.new_zeros(Bc, Tq, H, D)
+        qp[slot, row_in_seq] = q  # (Bc, Tq, H, D)
+        qpos = pos.new_zeros(Bc, Tq)
+        qpos[slot, row_in_seq] = pos  # (Bc, Tq); padding rows sit at position 0 and are dropped below
+        K = k_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D)
+        V = v_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D)
+        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
         # The mask, for one sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
         #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
         #   row at pos 4:  x x x x x      this call (written above); later positions are masked
-        causal = torch.arange(Tk, device=x.device)[None, None, :] <= qpos[:, :, None]  # (nb, m, Tk)
+        causal = torch.arange(Tk, device=x.device)[None, None, :] <= qpos[:, :, None]  # (Bc, Tq, Tk)
         att = att.masked_fill(~causal[:, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(x.dtype)).to(x.dtype)  # softmax in float32
-        y = (att @ V).transpose(1, 2)[slot, j]  # (n, H, D)
+        y = (att @ V).transpose(1, 2)[slot, row_in_seq]  # (n, H, D)
         return self.o_proj(y.reshape(n, H * D))
 
 
@@ -367,22 +251,17 @@ class LoopOutputs:
     gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
 
 
-def _check_ids(ids: torch.Tensor, cfg: Config, what: str):
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-        bad = int(ids[(ids < 0) | (ids >= cfg.vocab_size)][0])
-        raise ValueError(f"{what}: token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-
-
 class LoopedLM(nn.Module):
     """Ouro's looped decoder: R passes through the same L layers, a readout and an exit gate per loop.
 
-    Per loop, per layer (sandwich RMSNorm):
+    Per loop, per layer (sandwich RMSNorm; Contract §2):
         h = h + input_layernorm_2(attn(input_layernorm(h)))
         h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
     then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
     lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
-    Checkpoint I/O (`from_pretrained`, `save_pretrained`) is tooling: it is attached to this class
-    under "Config files and HF checkpoints", below the seam.
+    Checkpoints: `LoopedLM.from_pretrained(path, dtype=, device=)` and `model.save_pretrained(path)`, HF's
+    names, are the loader's functions attached to this class below the banner ("Config files and
+    checkpoints"), so that this section needs nothing from there.
     """
 
     def __init__(self, cfg: Config, *, seed: int = 0):
@@ -418,15 +297,7 @@ class LoopedLM(nn.Module):
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
-    def loop(
-        self,
-        x: torch.Tensor,
-        seq: torch.Tensor,
-        pos: torch.Tensor,
-        k: list[torch.Tensor],
-        v: list[torch.Tensor],
-        numerics: str = "fast",
-    ) -> torch.Tensor:
+    def loop(self, x, seq, pos, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
         """One pass of some rows through all L layers of one loop, then the final norm.
 
         x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); seq, pos (n,)
@@ -454,7 +325,6 @@ class LoopedLM(nn.Module):
         of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
         """
         cfg, (B, T) = self.config, idx.shape
-        _check_ids(idx, cfg, "idx")
         seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
         pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
         h = self.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
@@ -473,27 +343,21 @@ class LoopedLM(nn.Module):
 # Exit rule (and, beside it, the exit distribution that Ouro's training objective uses)
 # ---------------------------------------------------------------------------------------------------
 
-
-# Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the
-# replay and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's).
-# "survival" is SPEC §3's rule; "hf" is Hugging Face modeling_ouro.py's arithmetic, which an engine derived
-# from it computes, and which differs from "survival" in bfloat16 (README, "Checking a bfloat16 engine").
+# Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the replay
+# and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's). "survival"
+# is Contract §3's rule; "hf" is Hugging Face modeling_ouro.py's arithmetic, which an engine derived from it
+# computes, and which differs from "survival" in bfloat16 (README, "Checking a bfloat16 engine").
 EXIT_RULES = ("survival", "hf")
 
 
-def _check_exit_rule(rule: str) -> None:
-    if rule not in EXIT_RULES:
-        raise ValueError(f"exit rule must be one of {EXIT_RULES}, got {rule!r}")
-
-
 def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
-    """SPEC §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
+    """Contract §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
 
-    CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda in float32 (float64 for a float64 model); CDF_R = 1.
+    CDF_j = 1 - prod_{i<=j}(1 - lam_i), lam in float32 (float64 for a float64 model); CDF_R = 1.
     """
     acc = acc_dtype(gate_logits.dtype)
     lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (..., j)
-    remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lambda): not exited yet
+    remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lam): not exited yet
     cdf = []
     for j in range(1, lam.shape[-1] + 1):
         remaining = remaining * (1 - lam[..., j - 1])
@@ -504,8 +368,8 @@ def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
 
-    lambda_i = sigmoid(gate_i); p_i = lambda_i * remaining and remaining *= 1 - lambda_i for i < R,
-    p_R = remaining; CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
+    lam_i = sigmoid(g_i); p_i = lam_i * remaining and remaining *= 1 - lam_i for i < R, p_R = remaining;
+    CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
     NOTE: three traps, each measured on this CPU build of torch. (1) bfloat16 cumsum accumulates in
     float32 and rounds only its outputs (rounding every partial sum gave other bits at 33% of random
     4-loop positions), so this calls torch.cumsum rather than adding in a loop. (2) HF's sigmoid runs on
@@ -513,7 +377,7 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     elements other bits than its scalar path (the tail of a call under 32 floats, or a lone element). We
     take the scalar path for every element (`sigmoid_elementwise`): HF's bits whenever its call has
     fewer than 32 gates (decoding fewer than 32 sequences), and independent of how the reference
-    batches; otherwise at most an ulp of lambda apart. bfloat16 showed no difference between the paths.
+    batches; otherwise at most an ulp of lam apart. bfloat16 showed no difference between the paths.
     (3) p_1..p_j do not depend on loops after j (p_R only on earlier ones), and the cumsum runs in order,
     so a prefix of gates gives a prefix of the CDF: the rule can decide after every loop.
     """
@@ -529,39 +393,26 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1) if pdf else lam.clone()
 
 
-def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
-    """The exit CDF of one position after each of its first j <= R loops: (j,) gates -> j floats.
-
-    "survival": CDF_j = 1 - prod_{i<=j}(1 - lambda_i), lambda_j = sigmoid(gate_j) in float32 (float64 for
-    a float64 model), one element at a time; CDF_R = 1. "hf": HF's cumsum of its exit pdf in the gates'
-    dtype (`_hf_cdf`), whose last value need not be exactly 1.
-    """
-    _check_exit_rule(rule)
-    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
-    return [float(c) for c in cdf]
-
-
 def exit_loops(
-    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> list[int | None]:
-    """The exit rule (SPEC §3) for n positions at once, given the gate logits of their first j <= R loops:
-    gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
+    """The exit rule (Contract §3) for n positions at once, given the gate logits of their first j <= R
+    loops: gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
 
-    The exit loop is the first r >= min_loops with CDF_r >= threshold (R when none: a threshold above 1
-    always runs all loops); threshold None (a config without one) always exits at R, as HF reads out the
-    last loop. Every operation is elementwise across positions, so a position's decision has the same
-    bits alone (`exit_loop`, what the rollout asks after every loop) as among others (the oracle).
-    NOTE: "survival" compares exactly: the CDF widened to float64 against the threshold as given (a
-    threshold rounded to float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf"
-    compares as HF does, a model-dtype tensor against a Python float, and torch first rounds the threshold
-    to the tensor's dtype: in bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
+    The exit loop is the first r >= min_loops with CDF_r >= tau (R when none: a threshold above 1 always
+    runs all loops); tau None (a config without a threshold) always exits at R. Every operation is
+    elementwise across positions, so a position's decision has the same bits alone (`exit_loop`, what the
+    rollout asks after every loop) as among others (the oracle).
+    NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
+    float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
+    model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
+    bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
     """
-    _check_exit_rule(rule)
     n, j = gate_logits.shape
-    if threshold is None or j == 0:
+    if tau is None or j == 0:
         return [R if j >= R else None] * n
     cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (n, j)
-    hit = cdf >= threshold  # (n, j) bool; for "hf" this is HF's own comparison
+    hit = cdf >= tau  # (n, j) bool; for "hf" this is HF's own comparison
     hit[:, : min_loops - 1] = False  # no exit before min_loops
     if j == R:
         hit[:, R - 1] = True  # the last loop always exits
@@ -570,71 +421,50 @@ def exit_loops(
 
 
 def exit_loop(
-    gate_logits: torch.Tensor, R: int, threshold: float | None, min_loops: int = 1, rule: str = "survival"
+    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> int | None:
     """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
     while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for n = 1."""
-    return exit_loops(gate_logits[None], R, threshold, min_loops, rule)[0]
-
-
-def exit_threshold_as_compared(threshold: float, dtype: torch.dtype, rule: str = "survival") -> float:
-    """The threshold a rule's comparison really uses: as given ("survival"), or rounded to the gates'
-    dtype the way torch rounds a Python float compared with a tensor ("hf")."""
-    _check_exit_rule(rule)
-    return threshold if rule == "survival" else float(torch.tensor(threshold, dtype=torch.float64).to(dtype))
-
-
-def exit_margin(gate_logits: torch.Tensor, R: int, threshold: float, rule: str = "survival") -> torch.Tensor:
-    """CDF_r - threshold for r = 1..R (R gates in, R values out), in float64: how far each loop was from
-    exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
-    cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
-    return cdf - exit_threshold_as_compared(threshold, gate_logits.dtype, rule)
+    return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
 
 
 def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
 
-    p_r = lambda_r * prod_{j<r}(1 - lambda_j) for r < R, and p_R takes the rest. The rule above exits
-    where the CDF of this distribution first reaches the threshold; Ouro's objective (the warm start)
-    weights each loop's loss by p_r.
+    p_r = lam_r * prod_{j<r}(1 - lam_j) for r < R, and p_R takes the rest. The rule above exits where the
+    CDF of this distribution first reaches the threshold; Ouro's objective (the warm start) weights each
+    loop's loss by p_r.
     """
     lam = torch.sigmoid(gate_logits.float())  # (R, ...)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
     return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
-# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above,
-# a deterministic function of the gates: the policy's log-prob of a step is the token's alone, and the gate
-# learns only in the warm start. "sampled" draws the exit loop from the exit distribution itself, so the
-# exit is an action of the policy: a step's log-prob is log p(exit = e) + log pi(token | loop e), and GRPO
-# trains how deeply the model thinks as well as what it says.
+# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above, a
+# deterministic function of the gates: the policy's log-prob of a step is the token's alone, and the gate
+# learns only in the warm start. "sampled" draws the exit loop from the exit distribution itself, so the exit
+# is an action of the policy: a step's log-prob is log p(exit = e) + log pi(token | loop e), and GRPO trains
+# how deeply the model thinks as well as what it says.
 EXIT_POLICIES = ("threshold", "sampled")
 
 
-def _check_exit_policy(policy: str, rule: str = "survival") -> None:
-    if policy not in EXIT_POLICIES:
-        raise ValueError(f"exit policy must be one of {EXIT_POLICIES}, got {policy!r}")
-    if policy == "sampled" and rule != "survival":  # NOTE: "hf" is a threshold rule's arithmetic, nothing more
-        raise ValueError(f"exit rule {rule!r} is a threshold rule; sampled exits draw with lambda in float32")
-
-
-def sample_exit(gate_logit: torch.Tensor, r: int, R: int, min_loops: int, gen: torch.Generator) -> int | None:
+def sample_exit(g: torch.Tensor, r: int, R: int, min_loops: int, gen: torch.Generator) -> int | None:
     """The sampled exit policy's decision after loop r of a deciding position: r (exit now) or None.
 
-    gate_logit: the position's loop-r gate logit (a 0-dim tensor, model dtype). Before min_loops: no exit
-    and no draw. At R: exit, no draw. Else one uniform u from the sequence's generator `gen`, and exit iff
-    u < lambda_r, lambda_r = sigmoid(gate_logit) in float32 (float64 for a float64 model), computed one
-    element at a time as the exit rule computes it. So the exit loop is drawn from
-        p(r) = lambda_r prod_{min_loops <= j < r} (1 - lambda_j)   (min_loops <= r < R),
-        p(R) = prod_{min_loops <= j < R} (1 - lambda_j),           p(r) = 0 for r < min_loops:
-    Ouro's exit distribution (`exit_distribution`) conditioned on exiting at min_loops or later (the
-    gates of loops before min_loops do not matter). With min_loops = 1 it is Ouro's p(r) itself.
+    g: the position's loop-r gate logit (a 0-dim tensor, model dtype). Before min_loops: no exit and no
+    draw. At R: exit, no draw. Else one uniform u from the sequence's generator `gen`, and exit iff
+    u < lam_r, lam_r = sigmoid(g) in float32 (float64 for a float64 model), computed one element at a time
+    as the exit rule computes it. So the exit loop is drawn from
+        p(r) = lam_r prod_{min_loops <= j < r} (1 - lam_j)   (min_loops <= r < R),
+        p(R) = prod_{min_loops <= j < R} (1 - lam_j),         p(r) = 0 for r < min_loops:
+    Ouro's exit distribution (`exit_distribution`) conditioned on exiting at min_loops or later (the gates
+    of loops before min_loops do not matter). With min_loops = 1 it is Ouro's p(r) itself.
     """
     if r < min_loops:
         return None
     if r == R:
         return R
-    lam = sigmoid_elementwise(gate_logit.detach().to(acc_dtype(gate_logit.dtype)).cpu().reshape(1))[0]
+    lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)).cpu().reshape(1))[0]
     u = torch.rand((), generator=gen, dtype=torch.float64)
     return r if bool(u < lam.double()) else None
 
@@ -644,18 +474,18 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
 
     gate_logits (..., R) in the model dtype (the gates of loops after e are never read); exits (...) long,
     1..R, 0 where there is no token -> (...) float32 (float64 for a float64 model):
-        log p(e) = sum_{min_loops <= j < e} log(1 - lambda_j) + [e < R] log lambda_e,
+        log p(e) = sum_{min_loops <= j < e} log(1 - lam_j) + [e < R] log lam_e,
     -inf where e < min_loops (the policy never exits there), 0 where exits is 0.
     NOTE: the ONE place this value is computed: the rollout records it, the replay recomputes it and the
     teacher-forced forward differentiates it, each on a (B, N, R) tensor of the same shape, so the same
-    gates give the same bits. log(1 - lambda) is logsigmoid(-g) and log lambda is logsigmoid(g) (finite
-    where 1 - sigmoid(g) rounds to 0); logsigmoid gave every element the same bits whatever the tensor's
-    length (measured on this CPU build; the invariant-numerics tests would catch a change). The terms are
-    added loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN).
+    gates give the same bits. log(1 - lam) is logsigmoid(-g) and log lam is logsigmoid(g) (finite where
+    1 - sigmoid(g) rounds to 0); logsigmoid gave every element the same bits whatever the tensor's length
+    (measured on this CPU build; the invariant-numerics tests would catch a change). The terms are added
+    loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN).
     """
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
-    stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lambda), log lambda
+    stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
     out = torch.zeros(exits.shape, dtype=g.dtype, device=g.device)  # (...)
     for r in range(min_loops, R):  # loops that draw
         out = torch.where(exits > r, out + stay[..., r - 1], out)  # survived loop r
@@ -664,7 +494,7 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
 
 
 # ---------------------------------------------------------------------------------------------------
-# KV cache (a plain object with a loop axis; the caller owns positions)
+# KV cache and calls (a plain object with a loop axis; the caller owns positions)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -694,11 +524,6 @@ class LoopCache:
         )
 
 
-# ---------------------------------------------------------------------------------------------------
-# Calls and schedules
-# ---------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Call:
     """One pass of some rows (sequence, position) through all L layers of one loop.
@@ -712,66 +537,6 @@ class Call:
     readout: list[tuple[int, int]] = field(default_factory=list)
 
 
-@dataclass
-class Schedule:
-    """The ordered calls of a rollout (prefill included), plus what is needed to execute them again."""
-
-    calls: list[Call]
-    mode: str  # "dense" | "deferred" | "teacher_forced"
-    numerics: str  # "fast" | "invariant"
-    dtype: str  # e.g. "torch.bfloat16"
-    loops: int  # R
-    kv: str = "exact"  # "exact" | "last_exited" (SPEC §4)
-    exit_rule: str = "survival"  # the rule that decided the exits: "survival" | "hf" (EXIT_RULES)
-    exit_policy: str = "threshold"  # "threshold" | "sampled" (EXIT_POLICIES)
-    min_loops: int = 1  # no exit before this loop (the sampled policy's log-probs depend on it)
-
-    def to_json(self) -> str:
-        calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
-        return json.dumps(
-            {
-                "mode": self.mode,
-                "numerics": self.numerics,
-                "dtype": self.dtype,
-                "loops": self.loops,
-                "kv": self.kv,
-                "exit_rule": self.exit_rule,
-                "exit_policy": self.exit_policy,
-                "min_loops": self.min_loops,
-                "calls": calls,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> "Schedule":
-        d = json.loads(text)
-        calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
-        kv, rule = d.get("kv", "exact"), d.get("exit_rule", "survival")  # schedules written before these keys
-        policy, min_loops = d.get("exit_policy", "threshold"), d.get("min_loops", 1)
-        return cls(calls, d["mode"], d["numerics"], d["dtype"], d["loops"], kv, rule, policy, min_loops)
-
-    def row_loops(self) -> int:
-        """Total (row, loop) units of work: the sum of the calls' row counts."""
-        return sum(len(c.rows) for c in self.calls)
-
-    def grid(self, seq: int = 0) -> str:
-        """A text picture for readers: a line per position, a column per loop, each cell the number of
-        the call that computed it ('·' where that loop of that position was never computed)."""
-        cells: dict[tuple[int, int], int] = {}
-        for i, c in enumerate(self.calls):
-            for b, p in c.rows:
-                if b == seq:
-                    cells[(p, c.loop)] = i
-        if not cells:
-            return f"(sequence {seq} has no rows)"
-        w = max(3, len(str(len(self.calls) - 1))) + 1
-        header = "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1))
-        lines = [f"{self.mode}, sequence {seq}", header]
-        for p in range(max(p for p, _ in cells) + 1):
-            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, self.loops + 1)))
-        return "\n".join(lines)
-
-
 def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str) -> torch.Tensor:
     """Execute one call; the ONE function through which rollouts, replays and teacher forcing compute.
 
@@ -780,64 +545,78 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this.
     """
     r, dev = call.loop, tokens.device
-    if [tuple(x) for x in call.rows] != sorted(set(map(tuple, call.rows))):  # a schedule read from JSON may lie
-        raise RuntimeError(f"call at loop {r}: rows must be sorted by (sequence, position), without repeats")
     seq = torch.tensor([b for b, _ in call.rows], dtype=torch.long, device=dev)  # (n,)
     pos = torch.tensor([p for _, p in call.rows], dtype=torch.long, device=dev)  # (n,)
-    # Rows must arrive ready for this loop: done with loop r-1 exactly.
-    if not bool((cache.depth[seq, pos] == r - 1).all()):
-        raise RuntimeError(f"call at loop {r}: some row has not finished loop {r - 1} (or did loop {r} already)")
+    # NOTE: the invariants deferral keeps (asserted, so a broken schedule stops here): every row arrives done
+    # with exactly loop r-1, and every K/V it attends to (its own sequence, positions <= its own, loop r) is
+    # computed, either earlier or by a row of this call that comes before it.
+    assert bool((cache.depth[seq, pos] == r - 1).all()), f"call at loop {r}: a row is not done with loop {r - 1}"
     x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
     cache.depth[seq, pos] = r
-    # NOTE: the invariant deferral must keep: every K/V a row attends to (its own sequence, positions
-    # <= its own, this loop) is computed, either earlier or by a row of this call that comes before it.
-    T = cache.depth.shape[1]
-    needed = torch.arange(T, device=dev)[None, :] <= pos[:, None]  # (n, T)
-    if not bool((cache.depth[seq] >= r)[needed].all()):
-        raise RuntimeError(f"call at loop {r} would attend to a K/V that was never computed")
+    needed = torch.arange(cache.depth.shape[1], device=dev)[None, :] <= pos[:, None]  # (n, T)
+    assert bool((cache.depth[seq] >= r)[needed].all()), f"call at loop {r} would attend to a K/V never computed"
     h = model.loop(x, seq, pos, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
     cache.h[seq, pos] = h
     return h
 
 
-# The KV policy: a hook, off by default (SPEC §4). "exact": every K/V a token attends to is the real
-# value at that loop (deferred positions are caught up). "last_exited": what engines that copy K/V on
-# early exit compute instead (vLLM-style): a generated position that exits at loop e serves its loop-e
-# K/V to every deeper loop and is never caught up. A *different policy*, only for checking such engines;
-# these three functions are the only places it acts.
+class ExactKV:
+    """The KV policy of the method (Contract §4): every K/V a token attends to is the real value at that
+    loop; a deferred position's skipped loops are caught up when a later token needs them. Its three hooks
+    are where another policy acts: `LastExitedKV` (below the banner, beside the oracle, registered in
+    KV_POLICIES there) models engines that copy K/V on early exit, only so that such engines can be checked."""
 
-KV_MODES = ("exact", "last_exited")
+    prefill_all_loops = False  # does the prefill run every loop of the prompt, even in deferred mode?
 
+    def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
+        """After a call's readout rows have sampled (first[b]: sequence b's last prompt position)."""
 
-def kv_prefill_is_dense(kv: str) -> bool:
-    """last_exited engines prefill every loop of the prompt, as the dense mode does."""
-    return kv == "last_exited"
-
-
-def kv_after_readout(kv: str, cache: LoopCache, call: Call, prompt_lens: list[int]) -> None:
-    """last_exited: the generated positions read out in `call` stop for good and serve their K/V of this
-    loop to every deeper loop. The copied slots count as computed (depth R), so no call runs them again."""
-    rows = [(b, p) for b, p in call.readout if p >= prompt_lens[b]] if kv == "last_exited" else []
-    if not rows:
-        return
-    seq = torch.tensor([b for b, _ in rows], device=cache.h.device)
-    pos = torch.tensor([p for _, p in rows], device=cache.h.device)
-    for r in range(call.loop, len(cache.k)):  # 0-based index r is loop r + 1
-        for layer in range(len(cache.k[r])):
-            cache.k[r][layer][seq, :, pos] = cache.k[call.loop - 1][layer][seq, :, pos]
-            cache.v[r][layer][seq, :, pos] = cache.v[call.loop - 1][layer][seq, :, pos]
-    cache.depth[seq, pos] = len(cache.k)
+    def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
+        """Does a teacher-forced pass compute loop r of position p (exit loop e when p > first)? Always."""
+        return True
 
 
-def kv_teacher_forced_runs(kv: str, p: int, prompt_len: int, exit_loop_at_p: int, r: int) -> bool:
-    """Does a teacher-forced pass compute loop r of position p? exact: always. last_exited: a generated
-    position only up to its recorded exit loop (its deeper K/V are copies)."""
-    return kv == "exact" or p < prompt_len or exit_loop_at_p >= r
+KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
 # ---------------------------------------------------------------------------------------------------
-# The policy: log-probabilities, sampling, and the readout step
+# The policy: one value for its settings; log-probabilities, the readout step, sampling
 # ---------------------------------------------------------------------------------------------------
+
+MODES = ("dense", "deferred")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a rollout samples and how it computes it: one value, checked once when built, stored once (a
+    rollout and its schedule share it) and passed as one argument. `mode`, `numerics` change the work and
+    the bits, never the distribution (Contract §4); the rest define the distribution (Contract §3)."""
+
+    mode: str = "deferred"  # "dense": every position runs all R loops; "deferred": skipped loops wait until needed
+    numerics: str = "fast"  # "fast" | "invariant" (every row alone: bits independent of batching)
+    temperature: float = 1.0  # 0: greedy
+    exit_threshold: float | None = None  # tau; None: the model config's early_exit_threshold
+    exit_rule: str = "survival"  # EXIT_RULES
+    exit_policy: str = "threshold"  # EXIT_POLICIES
+    min_loops: int = 1  # no exit before this loop
+    kv: str = "exact"  # KV_POLICIES
+    eos_id: int | None = None  # a sequence that samples it stops
+
+    def __post_init__(self):
+        choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
+        bad = next((name for name, allowed in choices.items() if getattr(self, name) not in allowed), None)
+        if bad:
+            raise ValueError(
+                f"{bad.replace('_', ' ')} must be one of {tuple(choices[bad])}, got {getattr(self, bad)!r}"
+            )
+        if not (0 <= self.temperature < math.inf and self.min_loops >= 1 and math.isfinite(self.exit_threshold or 0)):
+            raise ValueError(f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold or None: {self}")
+        if self.exit_policy == "sampled" and self.exit_rule != "survival":  # NOTE: "hf" is a threshold rule
+            raise ValueError(
+                f"exit rule {self.exit_rule!r} is a threshold rule; sampled exits draw with lam in float32"
+            )
+        if self.kv == "last_exited" and self.mode != "deferred":
+            raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit)")
 
 
 def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "fast") -> torch.Tensor:
@@ -861,6 +640,24 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, temperature: float, n
     return policy_logprobs(model.readout(h[rows], numerics), temperature, numerics)  # (n_out, V)
 
 
+def deciding_rows(call: Call, first: list[int], exits: list[list[int | None]]) -> list[int]:
+    """The rows of `call` that decide an exit, as indices into call.rows: the ONE statement of that rule,
+    used by the rollout (which decides), the replay and the teacher-forced pass (which recompute the
+    deciding gates: sampled exits' log-probs need them) and the oracle (which checks an engine's decisions).
+
+    Row (b, p) produces completion token tok_index = p - first[b] (first[b]: the prompt's last position). It
+    decides while that token's exit loop exits[b][tok_index] is undecided (None) or not passed
+    (call.loop <= exit loop). So a prompt position, a position riding along past its exit, and a dense row
+    computing loops after its exit decide nothing.
+    """
+    out = []
+    for i, (b, p) in enumerate(call.rows):
+        tok_index = p - first[b]
+        if 0 <= tok_index < len(exits[b]) and (exits[b][tok_index] is None or call.loop <= exits[b][tok_index]):
+            out.append(i)
+    return out
+
+
 def sequence_seed(seed: int, index: int) -> int:
     """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
     return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
@@ -881,6 +678,50 @@ def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -
 
 
 @dataclass
+class Schedule:
+    """The ordered calls of a rollout (prefill included), plus what is needed to execute them again."""
+
+    calls: list[Call]
+    policy: Policy  # the rollout's own (mode, numerics, kv, exit rule and policy, ...)
+    dtype: str  # e.g. "torch.bfloat16"
+    loops: int  # R
+
+    def to_json(self) -> str:
+        calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
+        return json.dumps(dataclasses.asdict(self.policy) | {"dtype": self.dtype, "loops": self.loops, "calls": calls})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        """A schedule written by `to_json`; keys that older versions did not write read as the defaults."""
+        d = json.loads(text)
+        calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
+        for c in calls:  # NOTE: execute_call trusts this; a schedule from a file could lie
+            if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
+                raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")
+        policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
+        return cls(calls, policy, d["dtype"], d["loops"])
+
+    def row_loops(self) -> int:
+        """Total (row, loop) units of work: the sum of the calls' row counts."""
+        return sum(len(c.rows) for c in self.calls)
+
+    def grid(self, seq: int = 0) -> str:
+        """A text picture for readers: a line per position, a column per loop, each cell the number of
+        the call that computed it ('·' where that loop of that position was never computed)."""
+        cells = {(p, c.loop): i for i, c in enumerate(self.calls) for b, p in c.rows if b == seq}
+        if not cells:
+            return f"(sequence {seq} has no rows)"
+        w = max(3, len(str(len(self.calls) - 1))) + 1
+        lines = [
+            f"{self.policy.mode}, sequence {seq}",
+            "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1)),
+        ]
+        for p in range(max(p for p, _ in cells) + 1):
+            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, self.loops + 1)))
+        return "\n".join(lines)
+
+
+@dataclass
 class Rollout:
     """Results are data: everything downstream (replay, GRPO, the oracle) reads these fields."""
 
@@ -889,12 +730,8 @@ class Rollout:
     exit_loops: list[list[int]]  # 1-based exit loop of the position that produced each completion token
     logprobs: torch.Tensor  # (B, N) float32 (float64 for a float64 model), 0 where mask is False
     mask: torch.Tensor  # (B, N) bool
-    schedule: Schedule
-    temperature: float = 1.0
-    kv: str = "exact"
-    exit_rule: str = "survival"  # the rule that decided exit_loops; replay and learner never re-decide
-    exit_policy: str = "threshold"  # "sampled": the exit loops were drawn, and their log-probs are part of the policy's
-    min_loops: int = 1  # no exit before this loop
+    schedule: Schedule | None  # None for records read from a file (the oracle teacher-forces them)
+    policy: Policy  # the policy that sampled (the schedule's own)
     exit_logprobs: torch.Tensor | None = None  # (B, N) like logprobs: log p(exit = e) per token; 0 for "threshold"
 
     def __post_init__(self):
@@ -915,75 +752,36 @@ def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tens
     return torch.tensor([e + [0] * (N - len(e)) for e in exit_loops], dtype=torch.long, device=device)
 
 
-def _check_rollout_args(
-    model: LoopedLM,
-    prompts: list[list[int]],
-    mode: str,
-    numerics: str,
-    kv: str,
-    min_loops: int,
-    max_new_tokens: int,
-    temperature: float,
-    sequence_ids,
-    exit_rule: str,
-    exit_policy: str,
-) -> None:
-    """Refuse what `rollout` cannot do, naming the argument (or the prompt)."""
-    cfg, R = model.config, model.config.total_ut_steps
-    _check_exit_rule(exit_rule)
-    _check_exit_policy(exit_policy, exit_rule)
-    if mode not in ("dense", "deferred"):
-        raise ValueError(f"mode must be 'dense' or 'deferred', got {mode!r}")
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    if kv not in KV_MODES:
-        raise ValueError(f"kv must be one of {KV_MODES}, got {kv!r}")
-    if kv == "last_exited" and mode != "deferred":
-        raise ValueError(
-            "kv='last_exited' is a deferred engine's policy (positions stop at their exit); use mode='deferred'"
-        )
-    if not 1 <= min_loops <= R:
-        raise ValueError(f"min_loops must be in 1..{R}, got {min_loops}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+def check_prompts(model: LoopedLM, prompts: list[list[int]], policy: Policy, max_new_tokens: int) -> None:
+    """What `rollout` needs of its inputs beyond a valid policy, refused naming the argument or the prompt."""
+    cfg = model.config
+    if not 1 <= policy.min_loops <= cfg.total_ut_steps or max_new_tokens < 1:
+        raise ValueError(f"need min_loops in 1..{cfg.total_ut_steps} and max_new_tokens >= 1")
     for b, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompt {b} is empty")
-        if len(prompt) + max_new_tokens > cfg.max_position_embeddings:
+        if not prompt or len(prompt) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
-                f"prompt {b}: {len(prompt)} tokens + {max_new_tokens} new exceed the position limit "
-                f"max_position_embeddings={cfg.max_position_embeddings}"
+                f"prompt {b}: {len(prompt)} tokens + {max_new_tokens} new: a prompt must be non-empty and fit the "
+                f"position limit max_position_embeddings={cfg.max_position_embeddings}"
             )
-        _check_ids(torch.tensor(prompt), cfg, f"prompt {b}")
-    if sequence_ids is not None and len(sequence_ids) != len(prompts):
-        raise ValueError(f"sequence_ids has {len(sequence_ids)} entries for {len(prompts)} prompts")
+        if not all(0 <= x < cfg.vocab_size for x in prompt):
+            raise ValueError(f"prompt {b}: a token id is outside the vocabulary 0..{cfg.vocab_size - 1}")
 
 
 @torch.no_grad()
 def rollout(
     model: LoopedLM,
     prompts: list[list[int]],
+    policy: Policy = Policy(),
     *,
-    mode: str = "deferred",
-    numerics: str = "fast",
     max_new_tokens: int = 32,
-    temperature: float = 1.0,
-    exit_threshold: float | None = None,
-    min_loops: int = 1,
     seed: int = 0,
-    eos_id: int | None = None,
-    kv: str = "exact",
     sequence_ids: list[int] | None = None,
-    exit_rule: str = "survival",
-    exit_policy: str = "threshold",
 ) -> Rollout:
-    """Sample completions for a batch of prompts of different lengths; record everything.
+    """Sample completions for a batch of prompts of different lengths under `policy`; record everything.
 
     mode "dense": every position runs all R loops; the exit only picks the readout loop.
     mode "deferred": a position stops at its exit loop; its deeper loops run later, only when a later
-    token of its sequence needs them. Both compute the same policy (SPEC §3-4).
+    token of its sequence needs them. Both compute the same policy (Contract §4).
 
     The one rule that generates both schedules: at every step, for loop r = 1, 2, ..., a sequence *takes
     part* in loop r (dense: always; deferred: while its newest position has not exited), and a sequence
@@ -993,7 +791,8 @@ def rollout(
 
     One sequence, a 3-token prompt (positions 0-2), R = 3, four new tokens whose positions exit at
     loops 1, 3, 1, 2. Each cell is the number of the call that computed that loop of that position
-    (`Schedule.grid`); '·' was never computed:
+    (`Schedule.grid`; README, "Dense and deferred, drawn", has the command that prints it); '·' was never
+    computed:
 
         dense                      deferred
         pos   L1  L2  L3           pos   L1  L2  L3
@@ -1008,107 +807,88 @@ def rollout(
     numerics). NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V
     of earlier positions, which by the same rule were brought up to loop r no later than in this call.
 
-    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a
-    float64 model), mask (B, N) bool, and the schedule. Sequence b draws from its own generator seeded
-    by (seed, sequence_ids[b]) (default: b). `exit_rule` names the rule that decides exits (EXIT_RULES);
-    the threshold is `exit_threshold`, else the config's (None there: every position exits at R).
-    `exit_policy="sampled"` draws each exit instead (`sample_exit`; the threshold is not used) and records
+    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a float64
+    model), mask (B, N) bool, the schedule and the policy. Sequence b draws from its own generator seeded
+    by (seed, sequence_ids[b]) (default: b). The threshold is the policy's, else the config's (None there:
+    every position exits at R). The sampled exit policy draws each exit instead (`sample_exit`) and records
     exit_logprobs (B, N), log p(exit = e) of each token (`exit_logprob`).
     NOTE: a sequence's generator serves its exit draws and its token draws in one fixed order: each step,
     one uniform per loop that decides (loop order, newest position), then its token's. Dense and deferred
     decide the newest position's loops in the same order, so they draw the same numbers.
     """
-    _check_rollout_args(
-        model, prompts, mode, numerics, kv, min_loops, max_new_tokens, temperature, sequence_ids, exit_rule, exit_policy
-    )
-    sampled = exit_policy == "sampled"
-    R, B, N = model.config.total_ut_steps, len(prompts), max_new_tokens
-    threshold = model.config.early_exit_threshold if exit_threshold is None else exit_threshold
+    check_prompts(model, prompts, policy, max_new_tokens)
+    R, B, N, numerics = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics
+    tau = model.config.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
+    sampled, kv = policy.exit_policy == "sampled", KV_POLICIES[policy.kv]
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
     T = max(len(prompt) for prompt in prompts) + N
-    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T) long
+    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T)
     cache = LoopCache.empty(model, B, T)
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
     # the gate logits of loops 1..e of each token's position (sampled exits: its exit log-prob's input)
     token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
+    first = [len(prompt) - 1 for prompt in prompts]  # the position that produces each sequence's token 0
     completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], []  # tokens, exit loops, calls
-    newest = [len(prompt) - 1 for prompt in prompts]  # the position whose readout samples each sequence's next token
     active = list(range(B))
-    prefill = True
     # Each pass of this loop is one step: every active sequence samples one token from its newest position
     # (the first pass is the prefill: the newest position is the prompt's last one).
     while active:
+        runs_all = policy.mode == "dense" or (not calls and kv.prefill_all_loops)
+        newest = {b: first[b] + len(completions[b]) for b in active}
         gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # the newest position's gate logits
-        exit_at: dict[int, int] = {}  # sequences whose newest position has exited, and at which loop
+        for b in active:
+            exits[b].append(None)  # the newest position's exit: undecided
         for r in range(1, R + 1):
             # 1) Who takes part in loop r: dense, everyone; deferred, the sequences still undecided.
-            runs_all = mode == "dense" or (prefill and kv_prefill_is_dense(kv))
-            taking_part = [b for b in active if runs_all or b not in exit_at]
+            taking_part = [b for b in active if runs_all or exits[b][-1] is None]
             if not taking_part:
                 break  # deferred: every newest position has exited; deeper loops wait until needed
-            # 2) The deferral rule (SPEC §4): a sequence that takes part brings every position up to its
+            # 2) The deferral rule (Contract §4): a sequence that takes part brings every position up to its
             #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
             #    positions that exited before loop r, riding along, in position order.
             rows = [
-                (b, int(p))
-                for b in taking_part
-                for p in (cache.depth[b, : newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()
+                (b, p) for b in taking_part for p in (cache.depth[b, : newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()
             ]
             call = Call(r, rows)
             h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-            # 3) The exit decision of each newest position still undecided: its own gates, its own rule
-            #    (threshold), or a draw from its own generator (sampled).
-            deciding = [i for i, (b, p) in enumerate(rows) if p == newest[b] and b not in exit_at]
+            # 3) The exit decision of each deciding row (a newest position still undecided): its own gates,
+            #    its own rule (threshold) or a draw from its own generator (sampled).
+            deciding = deciding_rows(call, first, exits)
             g = model.gate_logits(h[deciding], numerics) if deciding else None  # (len(deciding),)
             for gi, i in enumerate(deciding):
                 b = rows[i][0]
                 gates[b].append(g[gi])
                 if sampled:
-                    e = sample_exit(g[gi], r, R, min_loops, gens[b])
+                    e = sample_exit(g[gi], r, R, policy.min_loops, gens[b])
                 else:
-                    e = exit_loop(torch.stack(gates[b]), R, threshold, min_loops, exit_rule)
+                    e = exit_loop(torch.stack(gates[b]), R, tau, policy.min_loops, policy.exit_rule)
                 if e is not None:
-                    exit_at[b] = e
+                    exits[b][-1] = e
                     call.readout.append(rows[i])
                     if sampled:
                         token_gates[b, len(completions[b]), :e] = torch.stack(gates[b])
             # 4) Read out the rows that exit at this loop and sample each one's next token.
             if call.readout:
-                logp = read_out(model, call, h, temperature, numerics)  # (n_out, V)
+                logp = read_out(model, call, h, policy.temperature, numerics)  # (n_out, V)
                 for (b, _), lp in zip(call.readout, logp):
-                    tok = sample_token(lp, gens[b], temperature)
+                    tok = sample_token(lp, gens[b], policy.temperature)
                     logprobs[b, len(completions[b])] = lp[tok].cpu()
                     completions[b].append(tok)
-                    exits[b].append(r)
-                kv_after_readout(kv, cache, call, [len(prompt) for prompt in prompts])
+                kv.after_readout(cache, call, first)
             calls.append(call)
         # 5) Sequences that sampled EOS or reached N stop (their last token never enters the model); the
         #    others append their token, which becomes the newest position of the next step.
-        prefill = False
         for b in list(active):
-            if len(completions[b]) == N or (eos_id is not None and completions[b][-1] == eos_id):
+            if len(completions[b]) == N or completions[b][-1] == policy.eos_id:
                 active.remove(b)
             else:
-                newest[b] += 1
-                tokens[b, newest[b]] = completions[b][-1]
+                tokens[b, newest[b] + 1] = completions[b][-1]
     mask = torch.tensor([[i < len(c) for i in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
-    exit_lp = None
-    if sampled:  # 6) The exits' log-probs, from the recorded gates, as the replay computes them
-        exit_lp = exit_logprob(token_gates, _exit_tensor(exits, N, model.device), min_loops).cpu()  # (B, N)
-    return Rollout(
-        prompts=[list(prompt) for prompt in prompts],
-        completions=completions,
-        exit_loops=exits,
-        logprobs=logprobs,
-        mask=mask,
-        schedule=Schedule(calls, mode, numerics, str(model.dtype), R, kv, exit_rule, exit_policy, min_loops),
-        temperature=temperature,
-        kv=kv,
-        exit_rule=exit_rule,
-        exit_policy=exit_policy,
-        min_loops=min_loops,
-        exit_logprobs=exit_lp,
+    exit_lp = (
+        exit_logprob(token_gates, _exit_tensor(exits, N, model.device), policy.min_loops).cpu() if sampled else None
     )
+    schedule = Schedule(calls, policy, str(model.dtype), R)
+    return Rollout([list(prompt) for prompt in prompts], completions, exits, logprobs, mask, schedule, policy, exit_lp)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1116,31 +896,17 @@ def rollout(
 # ---------------------------------------------------------------------------------------------------
 
 
-def _collect_exit_gates(
-    model: LoopedLM,
-    call: Call,
-    h: torch.Tensor,
-    exit_loops: list[list[int]],
-    prompt_lens: list[int],
-    token_gates: torch.Tensor,
-    numerics: str,
-) -> torch.Tensor:
-    """The gate logits of the call's *deciding* rows, written into token_gates (B, N, R) (out of place, so
-    gradients flow): the rows whose position produced token k and whose loop is <= that token's exit.
-    NOTE: these are exactly the rows the rollout asked for a decision, in the same order, so
-    `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, same shape, same bits.
-    """
-    deciding, bs, ks = [], [], []
-    for i, (b, p) in enumerate(call.rows):
-        k = p - (prompt_lens[b] - 1)  # the completion token this position produced, if any
-        if 0 <= k < len(exit_loops[b]) and call.loop <= exit_loops[b][k]:
-            deciding.append(i)
-            bs.append(b)
-            ks.append(k)
+def _collect_exit_gates(model, call, h, first, exit_loops, token_gates, numerics) -> torch.Tensor:
+    """The gate logits of the call's deciding rows, written into token_gates (B, N, R) (out of place, so
+    gradients flow). NOTE: `deciding_rows` gives the rows the rollout asked for a decision, in the same order,
+    so `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, shape and bits."""
+    deciding = deciding_rows(call, first, exit_loops)
     if not deciding:
         return token_gates
     g = model.gate_logits(h[deciding], numerics)  # (len(deciding),)
-    index = (torch.tensor(bs), torch.tensor(ks), torch.full((len(bs),), call.loop - 1))
+    b = torch.tensor([call.rows[i][0] for i in deciding])
+    tok_index = torch.tensor([call.rows[i][1] - first[call.rows[i][0]] for i in deciding])
+    index = (b, tok_index, torch.full((len(deciding),), call.loop - 1))
     return token_gates.index_put(tuple(x.to(token_gates.device) for x in index), g)
 
 
@@ -1158,66 +924,61 @@ def execute_schedule(
     Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded completion
     tokens' log-probs, read out where the calls say, and (sampled exits) each recorded exit loop's
     log-prob `exit_logprob`, from the gates of the token's position at loops 1..e (zeros for the threshold
-    policy). `on_call(call, h)`, if given, sees every call's output (the oracle reads gates there);
-    `on_readout(call, logp)` sees the whole (k, V) policy of the call's readout rows (the oracle's
-    sampler test reads it).
+    policy). `on_call(call, h)`, if given, sees every call's output; `on_readout(call, logp)` sees the whole
+    (n_out, V) policy of the call's readout rows (the oracle reads both).
     """
     tokens = ro.tokens(model.device)  # (B, T)
-    B, N = ro.mask.shape
-    R = model.config.total_ut_steps
-    _check_ids(tokens, model.config, "rollout tokens")
+    (B, N), R = ro.mask.shape, model.config.total_ut_steps
+    policy, kv = ro.policy, KV_POLICIES[ro.policy.kv]
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
-    prompt_lens = [len(prompt) for prompt in ro.prompts]
-    sampled = ro.exit_policy == "sampled"
-    exits = _exit_tensor(ro.exit_loops, N)  # (B, N) long, 0: no token
+    first = [len(prompt) - 1 for prompt in ro.prompts]
+    sampled = policy.exit_policy == "sampled"
     token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
         if sampled:
-            token_gates = _collect_exit_gates(model, call, h, ro.exit_loops, prompt_lens, token_gates, numerics)
+            token_gates = _collect_exit_gates(model, call, h, first, ro.exit_loops, token_gates, numerics)
         if not call.readout:
             continue
-        logp = read_out(model, call, h, ro.temperature, numerics)  # (n_out, V)
+        logp = read_out(model, call, h, policy.temperature, numerics)  # (n_out, V)
         if on_readout is not None:
             on_readout(call, logp)
         b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
         p = torch.tensor([p for _, p in call.readout], device=model.device)  # (n_out,)
-        tok_index = p - torch.tensor([prompt_lens[i] - 1 for i in b.tolist()], device=model.device)  # in 0..N-1
+        tok_index = p - torch.tensor([first[i] for i in b.tolist()], device=model.device)  # in 0..N-1
         out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
-        kv_after_readout(ro.kv, cache, call, prompt_lens)
+        kv.after_readout(cache, call, first)
     if not sampled:
         return out, torch.zeros_like(out)
-    return out, exit_logprob(token_gates, exits.to(model.device), ro.min_loops)  # (B, N) each
+    return out, exit_logprob(token_gates, _exit_tensor(ro.exit_loops, N, model.device), policy.min_loops)
 
 
-def replay_logprobs(
-    model: LoopedLM, ro: Rollout, with_exits: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients.
 
-    Returns (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged; with
-    `with_exits`, also the (B, N) exit log-probs, equal to `ro.exit_logprobs` bit for bit.
+    Returns the (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged; with
+    `with_exits`, (tokens', exits') log-probs, the second equal to `ro.exit_logprobs` bit for bit.
     """
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
-        tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.schedule.numerics)
+        tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
     return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
     every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
-    calls = []
+    kv, calls = KV_POLICIES[ro.policy.kv], []
     for r in range(1, loops + 1):
         rows = [
             (b, p)
             for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
             for p in range(len(pr) + len(c) - 1)
-            if kv_teacher_forced_runs(ro.kv, p, len(pr), e[p - len(pr) + 1] if p >= len(pr) else 0, r)
+            if kv.teacher_forced_runs(p, len(pr) - 1, e[p - len(pr) + 1] if p >= len(pr) else 0, r)
         ]
         readout = [
             (b, len(pr) - 1 + k)
@@ -1229,15 +990,10 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     return calls
 
 
-def teacher_forced_logprobs(
-    model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
     """One differentiable forward over whole sequences, every loop for every position, read out at the
-    recorded exit loops. Returns (B, N) log-probs with gradients (on the model's device); with
-    `with_exits`, also the (B, N) exit log-probs, differentiable in the gates (so in everything under them)."""
-    for b, e in enumerate(ro.exit_loops):
-        if any(not 1 <= x <= model.config.total_ut_steps for x in e):
-            raise ValueError(f"sequence {b}: exit loops must be in 1..{model.config.total_ut_steps}")
+    recorded exit loops. Returns (B, N) log-probs with gradients, on the model's device; with `with_exits`,
+    (tokens', exits') log-probs, the second differentiable in the gates (so in everything under them)."""
     tok, ext = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
     return (tok, ext) if with_exits else tok
 
@@ -1253,21 +1009,26 @@ def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     return value.detach() + (tf - tf.detach())
 
 
-def learner_logprobs(
-    model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The replay's value with the teacher-forced gradient, (B, N): `hybrid(replay, tf)`; with
-    `with_exits`, the exit log-probs' too, through the same `hybrid`."""
-    replay, replay_exit = replay_logprobs(model, ro, with_exits=True)
-    tf, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
-    tok = hybrid(replay.to(model.device), tf)
-    return (tok, hybrid(replay_exit.to(model.device), tf_exit)) if with_exits else tok
-
-
 def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
     """The policy's log-prob of each step, (B, N): log pi(token | loop e) + log p(exit = e) when the exits
     were sampled; the token's alone under the threshold policy (its exits are not actions)."""
-    return tok + ext if ro.exit_policy == "sampled" else tok
+    return tok + ext if ro.policy.exit_policy == "sampled" else tok
+
+
+def learner_logprobs(
+    model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's log-prob of each step, (B, N) joint (`joint_logprobs`): the exact value's bits with
+    the teacher-forced gradient, `hybrid(value, tf)`, for tokens and exits alike.
+
+    `value` (token, exit log-probs) is the exact value when the caller has it (GRPO's first iteration: the
+    sampler's records, since the weights are the ones that sampled); else the replay computes it. Returns
+    (logp, tf): the hybrid, and the joint teacher-forced log-probs themselves (what a naive learner uses).
+    """
+    value = replay_logprobs(model, ro, with_exits=True) if value is None else value
+    tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
+    tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
+    return joint_logprobs(ro, tok, ext), joint_logprobs(ro, tf_tok, tf_exit)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1281,82 +1042,23 @@ SCALE_REWARDS = ("group", "batch", "none")
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
-    """rewards (B,) float, B = prompts * group_size, groups contiguous -> advantages (B,) float32.
+    """rewards (B,) float, B = P * G, groups contiguous -> advantages (B,) float32.
 
     A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
     not at all ("none", Dr. GRPO). std is the unbiased one, as in TRL.
     """
-    rw = rewards.float().view(-1, group_size)  # (prompts, group_size)
-    adv = rw - rw.mean(dim=1, keepdim=True)  # (prompts, group_size)
+    rw = rewards.float().view(-1, group_size)  # (P, G)
+    adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
         adv = adv / (rw.std(dim=1, keepdim=True) + eps) if group_size > 1 else adv
     elif scale_rewards == "batch":
         adv = adv / (rw.std() + eps) if rw.numel() > 1 else adv
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
     return adv.reshape(-1)
-
-
-def grpo_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    loss_agg: str = "token_mean",
-    ref_logp: torch.Tensor | None = None,
-    beta: float = 0.0,
-    max_new_tokens: int | None = None,
-    normaliser: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
-
-    Per token: ratio = exp(logp - logp_old); term = min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A),
-    minus beta * k3 KL to the reference when beta > 0. Aggregation over masked tokens:
-    - "token_mean" (DAPO): sum over all tokens / number of tokens;
-    - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
-    - "dr_grpo" (Dr. GRPO): sum / (B * max_new_tokens), a constant normaliser.
-    Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
-    higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
-    log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
-    `normaliser` overrides the token or sequence count (data parallel: the global count).
-    """
-    m = mask.float()  # (B, N)
-    ratio = torch.exp(logp - logp_old)  # (B, N)
-    a = adv[:, None]  # (B, 1)
-    term = torch.minimum(ratio * a, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * a)  # (B, N)
-    stats = {}
-    if beta > 0:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp")
-        d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
-        kl = torch.exp(d) - d - 1  # (B, N)
-        term = term - beta * kl
-        stats["kl"] = float((kl.detach() * m).sum() / m.sum().clamp_min(1))
-    per_token = -term  # (B, N); we minimise
-    if loss_agg == "token_mean":
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
-    elif loss_agg == "seq_mean_token_mean":
-        seq_means = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
-        loss = seq_means.sum() / (normaliser if normaliser is not None else seq_means.numel())
-    elif loss_agg == "dr_grpo":
-        N = max_new_tokens if max_new_tokens is not None else mask.shape[1]
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * N)
-    else:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
-    with torch.no_grad():
-        clipped = ((ratio < 1 - epsilon_low) & (a < 0)) | ((ratio > 1 + epsilon_high) & (a > 0))  # (B, N)
-        stats["clip_ratio"] = float((clipped.float() * m).sum() / m.sum().clamp_min(1))
-        stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
-        stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
-    return loss, stats
 
 
 @dataclass
 class GRPOConfig:
-    group_size: int = 8  # completions per prompt
+    group_size: int = 8  # G, completions per prompt
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -1370,6 +1072,57 @@ class GRPOConfig:
     check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
 
 
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    grpo: GRPOConfig = GRPOConfig(),
+    *,
+    ref_logp: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
+    normaliser: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
+
+    Per token: ratio = exp(logp - logp_old); term = min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A),
+    minus beta * k3 KL to the reference when beta > 0 (ref_logp needed then); eps_low, eps_high, beta and the
+    aggregation are `grpo`'s. Aggregation over masked tokens:
+    - "token_mean" (DAPO): sum over all tokens / number of tokens;
+    - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
+    - "dr_grpo" (Dr. GRPO): sum / (B * max_new_tokens), a constant normaliser.
+    Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
+    higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
+    log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
+    `normaliser` overrides the token or sequence count (data parallel: the global count).
+    """
+    m = mask.float()  # (B, N)
+    ratio = torch.exp(logp - logp_old)  # (B, N)
+    a = adv[:, None]  # (B, 1)
+    term = torch.minimum(ratio * a, torch.clamp(ratio, 1 - grpo.epsilon_low, 1 + grpo.epsilon_high) * a)  # (B, N)
+    stats = {}
+    if grpo.beta > 0:
+        d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
+        kl = torch.exp(d) - d - 1  # (B, N)
+        term = term - grpo.beta * kl
+        stats["kl"] = float((kl.detach() * m).sum() / m.sum().clamp_min(1))
+    per_token = -term  # (B, N); we minimise
+    if grpo.loss_agg == "token_mean":
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
+    elif grpo.loss_agg == "seq_mean_token_mean":
+        seq_means = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
+        loss = seq_means.sum() / (normaliser if normaliser is not None else seq_means.numel())
+    else:  # "dr_grpo"
+        N = max_new_tokens if max_new_tokens is not None else mask.shape[1]
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * N)
+    with torch.no_grad():
+        clipped = ((ratio < 1 - grpo.epsilon_low) & (a < 0)) | ((ratio > 1 + grpo.epsilon_high) & (a > 0))  # (B, N)
+        stats["clip_ratio"] = float((clipped.float() * m).sum() / m.sum().clamp_min(1))
+        stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
+        stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
+    return loss, stats
+
+
 class NonFiniteError(RuntimeError):
     """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
 
@@ -1378,66 +1131,29 @@ class ReplayMismatchError(RuntimeError):
     """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
 
-# GRPO's guards, its audit of iteration 1, the data-parallel hooks and the metrics: support that
-# `grpo_update` (next) calls in one line each, so that its loop shows only the algorithm.
+# GRPO's guard, its audit of iteration 1 and the data-parallel hooks: support that `grpo_update` (next) calls in
+# one line each, so that its loop shows only the algorithm.
 
 
-def _nonfinite_parameters(model: nn.Module) -> list[str]:
-    return [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
+def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
+    """NonFiniteError saying what stopped being finite, and which parameters are not (the usual cause)."""
+    if not bool(ok):
+        bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
+        raise NonFiniteError(f"{what} (non-finite parameters: {bad})")
 
 
-def _check_finite_params(model: nn.Module, when: str) -> None:
-    """NonFiniteError naming the parameters that are not finite (an --lr of inf passes every earlier check)."""
-    bad = _nonfinite_parameters(model)
-    if bad:
-        raise NonFiniteError(f"parameters are not finite {when}: {bad}")
-
-
-def _check_sampled_logprobs(model: LoopedLM, ro: Rollout) -> None:
-    bad = int((~(torch.isfinite(ro.logprobs) & torch.isfinite(ro.exit_logprobs)) & ro.mask).sum())
-    if bad:
-        raise NonFiniteError(
-            f"{bad} sampled tokens have non-finite log-probs: the model's logits are not finite "
-            f"(non-finite parameters: {_nonfinite_parameters(model)})"
-        )
-
-
-def _check_finite_logprobs(model: LoopedLM, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
-    if not bool(torch.isfinite(tf.detach()[mask]).all()):
-        raise NonFiniteError(
-            f"the learner's log-probs are not finite at inner iteration {it + 1} (non-finite "
-            f"parameters: {_nonfinite_parameters(model)})"
-        )
-
-
-def _check_finite_loss(loss: torch.Tensor, tf: torch.Tensor, mask: torch.Tensor, it: int) -> None:
-    if not torch.isfinite(loss):
-        raise NonFiniteError(
-            f"GRPO loss is {loss.item()} at inner iteration {it + 1} "
-            f"(non-finite log-probs: {int((~torch.isfinite(tf.detach()) & mask).sum())} tokens)"
-        )
-
-
-def _check_finite_grad_norm(grad_norm: torch.Tensor, it: int) -> torch.Tensor:
-    if not torch.isfinite(grad_norm):
-        raise NonFiniteError(f"gradient norm is {float(grad_norm)} at inner iteration {it + 1}")
-    return grad_norm
-
-
-def _audit_first_iteration(
-    model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor, check_replay: bool
-) -> dict:
+def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, check: bool) -> dict:
     """Replay (if asked) and compare with the sampler bit for bit, tokens' and exits' log-probs (tf and
     logp_old are joint); measure what a naive learner would be off."""
-    metrics = {}
-    if check_replay:
+    mask, metrics = ro.mask.to(model.device), {}
+    if check:
         tok, ext = (x.to(model.device) for x in replay_logprobs(model, ro, with_exits=True))  # (B, N) each
-        replay = joint_logprobs(ro, tok, ext)  # (B, N)
         mismatched = int(((tok != ro.logprobs.to(model.device)) & mask).sum())
         mismatched_exits = int(((ext != ro.exit_logprobs.to(model.device)) & mask).sum())
         metrics["exact/mismatched_tokens"] = mismatched
-        if ro.exit_policy == "sampled":
+        if ro.policy.exit_policy == "sampled":
             metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
+        replay = joint_logprobs(ro, tok, ext)  # (B, N)
         metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
         if mismatched or mismatched_exits:
             raise ReplayMismatchError(
@@ -1465,19 +1181,6 @@ def _all_reduce_grads(model: LoopedLM, all_reduce) -> None:
                 param.grad = all_reduce(param.grad)
 
 
-def _rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
-    rw = rewards.float().view(-1, group_size)  # (prompts, group_size)
-    return {
-        "reward": float(rw.mean()),
-        "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
-        "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
-        "exit/logprob_mean": float(ro.exit_logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # both parts
-        "token/logprob_mean": float(ro.logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # of the policy
-        "completions/mean_length": float(ro.mask.sum(1).float().mean()),
-    }
-
-
 def grpo_update(
     model: LoopedLM,
     opt: torch.optim.Optimizer,
@@ -1490,62 +1193,51 @@ def grpo_update(
 ) -> dict:
     """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
 
-    Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's recorded
-    log-probs; the gradient is the teacher-forced one. With `check_replay` the replay runs anyway and
-    any token whose bits differ refuses the step. Iterations 2..mu: the hybrid of the replay (the
-    weights have moved) and the teacher-forced forward. `all_reduce` (data parallel) sums across processes.
-    Sampled exits: every log-prob is the step's joint one, token + exit (`joint_logprobs`), each part
-    through `hybrid`, so the gate learns from the same advantage as the tokens.
+    Every iteration takes its log-probs from `learner_logprobs`: the exact value, the teacher-forced
+    gradient. Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's
+    recorded log-probs (with `check_replay` the replay runs anyway and any token whose bits differ refuses
+    the step). Iterations 2..mu: the replay with the new weights. Sampled exits: every log-prob is the step's
+    joint one, token + exit, so the gate learns from the same advantage as the tokens. `all_reduce` (data
+    parallel) sums across processes.
     """
-    _check_sampled_logprobs(model, ro)
-    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
     mask = ro.mask.to(model.device)  # (B, N)
-    old_tok, old_exit = ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device)  # (B, N) each, exact
-    logp_old = joint_logprobs(ro, old_tok, old_exit)  # (B, N)
+    recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each, exact
+    logp_old = joint_logprobs(ro, *recorded)  # (B, N)
+    _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "sampled tokens have non-finite log-probs", model)
+    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
     ref_logp = None
     if grpo.beta > 0:
         with torch.no_grad():
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
     normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
-    metrics: dict = {}
-    clip_ratios = []
+    metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        tf, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)  # (B, N) each: the gradient
-        _check_finite_logprobs(model, joint_logprobs(ro, tf, tf_exit), mask, it)
-        if it == 0:
-            value, value_exit = old_tok, old_exit  # exact; the audit below proves it (and refuses the step if not)
-            metrics.update(
-                _audit_first_iteration(model, ro, joint_logprobs(ro, tf, tf_exit), logp_old, mask, grpo.check_replay)
-            )
-        else:  # the schedule, replayed with the new weights
-            value, value_exit = (x.to(model.device) for x in replay_logprobs(model, ro, with_exits=True))
-        logp = joint_logprobs(ro, hybrid(value, tf), hybrid(value_exit, tf_exit))  # (B, N): value bits, tf gradient
-        loss, stats = grpo_loss(
-            logp,
-            logp_old,
-            adv,
-            mask,
-            epsilon_low=grpo.epsilon_low,
-            epsilon_high=grpo.epsilon_high,
-            loss_agg=grpo.loss_agg,
-            ref_logp=ref_logp,
-            beta=grpo.beta,
-            normaliser=normaliser,
+        logp, tf = learner_logprobs(model, ro, numerics, recorded if it == 0 else None)  # (B, N): value bits, tf grad
+        _finite_or_stop(
+            torch.isfinite(logp.detach())[mask].all(), f"the learner's log-probs at iteration {it + 1}", model
         )
-        _check_finite_loss(loss, tf, mask, it)
+        if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
+            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, grpo, ref_logp=ref_logp, normaliser=normaliser)
+        _finite_or_stop(torch.isfinite(loss), f"GRPO loss is {loss.item()} at iteration {it + 1}", model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         _all_reduce_grads(model, all_reduce)
-        grad_norm = _check_finite_grad_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm), it)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
+        _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm is {float(grad_norm)} at iteration {it + 1}", model)
         opt.step()
-        _check_finite_params(model, f"after the optimizer step of inner iteration {it + 1}")
+        _finite_or_stop(
+            all(p.isfinite().all() for p in model.parameters()),
+            "parameters are not finite after the optimizer step",
+            model,
+        )
         # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
             metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
     metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
-    return metrics | _rollout_metrics(ro, rewards, grpo.group_size)
+    return metrics
 
 
 # ===================================================================================================
@@ -1732,10 +1424,71 @@ def _check_hf_semantics(d: dict, source: str):
         raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
 
 
+def _is_finite_number(v) -> bool:
+    """An int or float (not a bool) that is finite; an int too large for a float is not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def check_config(cfg: Config, head_dim_derived: bool) -> None:
+    """Every config key's type and range, each error naming the key (configs are checked here, where they
+    are read; the model trusts them)."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
+        if f.type == "float" and not _is_finite_number(v):
+            raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
+        if f.type == "float | None" and v is not None and not _is_finite_number(v):
+            raise ValueError(f"config key {f.name!r} must be a finite number or null, got {v!r}")
+        if f.type == "bool" and not isinstance(v, bool):
+            raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
+        if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+    ):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"config key {name!r} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.total_ut_steps < 1:
+        raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {cfg.total_ut_steps}")
+    if head_dim_derived and cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(
+            f"config key 'num_attention_heads' ({cfg.num_attention_heads}) must divide "
+            f"'hidden_size' ({cfg.hidden_size}) when 'head_dim' is not given"
+        )
+    if cfg.head_dim < 2 or cfg.head_dim % 2:
+        raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {cfg.head_dim}")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(
+            f"config key 'num_key_value_heads' ({cfg.num_key_value_heads}) must divide "
+            f"'num_attention_heads' ({cfg.num_attention_heads})"
+        )
+    if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
+        raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(cfg, name)
+        if v is not None and not 0 <= v < cfg.vocab_size:
+            raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if cfg.initializer_range < 0:
+        raise ValueError(f"config key 'initializer_range' must be >= 0, got {cfg.initializer_range}")
+
+
 def _build_config(kw: dict, source: str) -> Config:
     """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
     try:
         cfg = Config(**kw)
+        check_config(cfg, kw.get("head_dim", 0) in (0, None))
         _check_config_size(cfg)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
@@ -2325,18 +2078,15 @@ def evaluate(
     model: LoopedLM,
     tok,
     problems: list[dict],
+    policy: Policy = Policy(),
     *,
-    mode: str = "deferred",
     max_new_tokens: int = 16,
     batch_size: int = 100,
-    min_loops: int = 1,
-    exit_rule: str = "survival",
-    exit_policy: str = "threshold",
     seed: int = 0,
 ) -> dict:
     """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the
     histogram of exit loops over generated tokens, their mean, and the rollouts' speed (generated tokens
-    per second of rollout time, `mode`). Tokens are greedy; exits follow `exit_policy` (sampled: drawn
+    per second of rollout time). Tokens are greedy; exits follow the policy's exit policy (sampled: drawn
     from each sequence's generator seeded by `seed`, so the same weights give the same exits)."""
     correct, hist, seconds = [], [0] * model.config.total_ut_steps, 0.0
     for i in range(0, len(problems), batch_size):
@@ -2345,13 +2095,8 @@ def evaluate(
         ro = rollout(
             model,
             [encode_problem(tok, p)[0] for p in chunk],
-            mode=mode,
+            dataclasses.replace(policy, temperature=0.0, eos_id=tok.eos_id),
             max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            eos_id=tok.eos_id,
-            min_loops=min_loops,
-            exit_rule=exit_rule,
-            exit_policy=exit_policy,
             seed=seed,
             sequence_ids=list(range(i, i + len(chunk))),
         )
@@ -2715,6 +2460,17 @@ class TrainConfig:
     save_every: int = _flag(10, "checkpoint every N steps (and at the end)")
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
 
+    def policy(self, eos_id: int | None) -> Policy:
+        return Policy(
+            mode=self.mode,
+            numerics=self.numerics,
+            temperature=self.temperature,
+            exit_rule=self.exit_rule,
+            exit_policy=self.exit_policy,
+            min_loops=self.min_loops,
+            eos_id=eos_id,
+        )
+
     def grpo(self) -> GRPOConfig:
         return GRPOConfig(
             group_size=self.group_size,
@@ -2748,10 +2504,24 @@ def rollout_records(ro: Rollout) -> list[dict]:
     for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
         rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
         rec["logprobs"] = [float(x) for x in ro.logprobs[b, : len(c)]]
-        if ro.exit_policy == "sampled":
+        if ro.policy.exit_policy == "sampled":
             rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
-        records.append(rec | {"temperature": ro.temperature})
+        records.append(rec | {"temperature": ro.policy.temperature})
     return records
+
+
+def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
+    """What a GRPO step logs about its rollouts and rewards (TRL/verl names where they exist)."""
+    rw = rewards.float().view(-1, group_size)  # (P, G)
+    return {
+        "reward": float(rw.mean()),
+        "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
+        "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
+        "exit/logprob_mean": float(ro.exit_logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # both parts
+        "token/logprob_mean": float(ro.logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # of the policy
+        "completions/mean_length": float(ro.mask.sum(1).float().mean()),
+    }
 
 
 def _train_step(
@@ -2767,19 +2537,14 @@ def _train_step(
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
+    policy = cfg.policy(tok.eos_id)
     ro = rollout(
         model,
         [encode_problem(tok, p)[0] for p in batch],
-        mode=cfg.mode,
-        numerics=cfg.numerics,
+        policy,
         max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
         seed=cfg.seed,
-        eos_id=tok.eos_id,
         sequence_ids=gids,
-        min_loops=cfg.min_loops,
-        exit_rule=cfg.exit_rule,
-        exit_policy=cfg.exit_policy,
     )
     texts = [tok.decode(c) for c in ro.completions]
     task = [reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)]
@@ -2791,6 +2556,7 @@ def _train_step(
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
     t1 = time.time()
     m = grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
+    m |= rollout_metrics(ro, rewards, grpo.group_size)
     dt = time.time() - t0
     m["accuracy"] = accuracy
     m["task_reward"] = sum(task) / len(task)
@@ -3037,6 +2803,58 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
 RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
 
 
+# The oracle's view of the exit rule: the CDF values and how far each loop was from exiting, for reports.
+
+
+def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
+    """The exit CDF of one position after each of its first j <= R loops: (j,) gates -> j floats, as the rule
+    computes it (`_survival_cdf`, `_hf_cdf`: the "hf" CDF's last value need not be exactly 1)."""
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
+    return [float(c) for c in cdf]
+
+
+def exit_threshold_as_compared(tau: float, dtype: torch.dtype, rule: str = "survival") -> float:
+    """The threshold a rule's comparison really uses: as given ("survival"), or rounded to the gates'
+    dtype the way torch rounds a Python float compared with a tensor ("hf")."""
+    return tau if rule == "survival" else float(torch.tensor(tau, dtype=torch.float64).to(dtype))
+
+
+def exit_margin(gate_logits: torch.Tensor, R: int, tau: float, rule: str = "survival") -> torch.Tensor:
+    """CDF_r - tau for r = 1..R (R gates in, R values out), in float64: how far each loop was from
+    exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
+    cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
+    return cdf - exit_threshold_as_compared(tau, gate_logits.dtype, rule)
+
+
+class LastExitedKV(ExactKV):
+    """What engines that copy K/V on early exit compute (vLLM-style; Contract §4): a generated position that
+    exits at loop e serves its loop-e K/V to every deeper loop and is never caught up. A *different policy*,
+    only for checking such engines (`--kv last_exited`); these three hooks are the only places it acts."""
+
+    prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
+
+    def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
+        """The generated positions read out in `call` stop for good and serve their K/V of this loop to every
+        deeper loop. The copied slots count as computed (depth R), so no call runs them again."""
+        rows = [(b, p) for b, p in call.readout if p > first[b]]
+        if not rows:
+            return
+        seq = torch.tensor([b for b, _ in rows], device=cache.h.device)
+        pos = torch.tensor([p for _, p in rows], device=cache.h.device)
+        for r in range(call.loop, len(cache.k)):  # 0-based index r is loop r + 1
+            for layer in range(len(cache.k[r])):
+                cache.k[r][layer][seq, :, pos] = cache.k[call.loop - 1][layer][seq, :, pos]
+                cache.v[r][layer][seq, :, pos] = cache.v[call.loop - 1][layer][seq, :, pos]
+        cache.depth[seq, pos] = len(cache.k)
+
+    def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
+        """A generated position runs only up to its recorded exit loop (its deeper K/V are copies)."""
+        return p <= first or e >= r
+
+
+KV_POLICIES["last_exited"] = LastExitedKV()
+
+
 def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -3133,11 +2951,9 @@ def records_rollout(
         logprobs=logprobs,
         mask=mask,
         schedule=None,
-        temperature=recs[0]["temperature"],
-        kv=kv,
-        exit_rule=exit_rule,
-        exit_policy=exit_policy,
-        min_loops=min_loops,
+        policy=Policy(
+            temperature=recs[0]["temperature"], kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops
+        ),
         exit_logprobs=exit_logprobs,
     )
 
@@ -3271,7 +3087,7 @@ def _verify_batch(
         uniforms[b, :n] = torch.rand(
             n, generator=torch.Generator().manual_seed(sampler_seed(seed, i)), dtype=torch.float64
         )
-    sampled = ro.temperature > 0
+    sampled = ro.policy.temperature > 0
 
     def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
@@ -3280,11 +3096,14 @@ def _verify_batch(
         k = torch.tensor([r[1] for r in rows], dtype=torch.long) - first[b]  # (n,)
         return b, k, (k >= 0) & (k < length[b])
 
+    undecided = [[None] * n for n in length.tolist()]  # every producing row decides: the rule runs at every loop
+
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        b, k, produces = token_index(call.rows)
-        if bool(produces.any()):
-            gates[b[produces], k[produces], call.loop - 1] = model.gate_logits(h[produces.to(h.device)]).cpu()
-            ran[b[produces], k[produces]] = call.loop
+        deciding = deciding_rows(call, first.tolist(), undecided)
+        if deciding:
+            b, k, _ = token_index([call.rows[i] for i in deciding])
+            gates[b, k, call.loop - 1] = model.gate_logits(h[deciding]).cpu()
+            ran[b, k] = call.loop
 
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
         b, k, _ = token_index(call.readout)
@@ -3377,7 +3196,6 @@ def verify_records(
     default the model's). `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the
     failing record's index in `recs` as `.index`.
     """
-    _check_exit_rule(exit_rule)
     tau = model.config.early_exit_threshold if threshold is None else threshold
     results: list = [None] * len(recs)
     groups: dict[float, list[int]] = {}  # temperature -> record indices (one temperature per pass)
@@ -3732,21 +3550,18 @@ def cmd_rollout(args) -> int:
             raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
     if not prompts:
         raise ValueError(f"{args.prompts}: no prompts")
-    ro = rollout(
-        model,
-        prompts,
+    policy = Policy(
         mode=args.mode,
         numerics=args.numerics,
-        max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         exit_threshold=args.exit_threshold,
-        min_loops=args.min_loops,
-        seed=args.seed,
-        eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
-        kv=args.kv,
         exit_rule=args.exit_rule,
         exit_policy=args.exit_policy,
+        min_loops=args.min_loops,
+        kv=args.kv,
+        eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
     )
+    ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
     if bad:  # never write a record no verifier could check
         raise ValueError(
@@ -3917,7 +3732,7 @@ def cmd_bench(args) -> int:
                 model.model.early_exit_gate.bias.fill_(gate_bias)
 
     def sample(model, batch, mode):
-        return rollout(model, batch, mode=mode, max_new_tokens=N, seed=args.seed, exit_threshold=threshold)
+        return rollout(model, batch, Policy(mode=mode, exit_threshold=threshold), max_new_tokens=N, seed=args.seed)
 
     base = None if real else LoopedLM(cfg, seed=args.seed)
     if base is not None:
@@ -4054,7 +3869,7 @@ def cmd_bench(args) -> int:
         # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
         with torch.no_grad():
             naive = teacher_forced_logprobs(model, ro)
-            hyb = learner_logprobs(model, ro)
+            hyb = learner_logprobs(model, ro)[0]
         m = ro.mask.to(device)
         d = (naive - ro.logprobs.to(device)).abs()[m]
         clipped = ((torch.exp(naive - ro.logprobs.to(device)) - 1).abs() > 0.2)[m].float().mean()
@@ -4075,7 +3890,7 @@ def cmd_bench(args) -> int:
             t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, threshold))
             t_cached, ro_c = timed(
                 lambda: rollout(
-                    model, [prompt], mode="dense", max_new_tokens=n_cache, temperature=0.0, exit_threshold=threshold
+                    model, [prompt], Policy("dense", temperature=0.0, exit_threshold=threshold), max_new_tokens=n_cache
                 )
             )
             summary[f"cache_speedup{name}{suffix}"] = round(t_rec / t_cached, 2)
@@ -4254,10 +4069,10 @@ def cmd_demo(args) -> int:
         p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1) if p["question"] not in seen
     ][: args.eval_problems]
     before: dict = {}
-    policy = dict(max_new_tokens=args.max_new_tokens, exit_rule=args.exit_rule, exit_policy=args.exit_policy)
+    policy = cfg.policy(None)  # evaluate() makes it greedy, with the tokenizer's EOS
 
     def on_start(model, tok):
-        before.update(evaluate(model, tok, held_out, **policy))
+        before.update(evaluate(model, tok, held_out, policy, max_new_tokens=args.max_new_tokens))
         print(
             f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
             f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
@@ -4269,7 +4084,7 @@ def cmd_demo(args) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
-    after = evaluate(model, tok, held_out, **policy)
+    after = evaluate(model, tok, held_out, policy, max_new_tokens=args.max_new_tokens)
     gain, gain_se = paired_gain(before["correct"], after["correct"])
     print(
         f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
@@ -4320,7 +4135,9 @@ def _model_flags(p, dtype_default: str) -> None:
     p.add_argument("--init-seed", type=int, default=0, help="seed of the random model's weights (with --config)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=dtype_default, help="model dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv", choices=KV_MODES, default="exact", help="KV semantics (last_exited: KV-copy engines)")
+    p.add_argument(
+        "--kv", choices=tuple(KV_POLICIES), default="exact", help="KV semantics (last_exited: KV-copy engines)"
+    )
     p.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
     p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
     p.add_argument(
