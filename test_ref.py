@@ -1729,11 +1729,12 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
             value,
         ]
     )
+    cfg = S.flags_from_args(args)
     with pytest.raises(ValueError, match=flag):
-        S.train_config_from_args(args)  # the checks refuse it first
-    monkeypatch.setattr(S.TrainConfig, "validate", lambda self: None)
+        S.check_flags(cfg)  # the checks refuse it first
+    monkeypatch.setattr(S, "check_flags", lambda flags: None)
     with pytest.raises(S.NonFiniteError, match="parameters are not finite after the optimizer step"):
-        S.train(S.train_config_from_args(args), log=lambda *_: None)
+        S.train(cfg, log=lambda *_: None)
     assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
 
 
@@ -1865,14 +1866,16 @@ def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
 
 def test_default_flags_pass_their_checks(tmp_path):
     """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
-    parse = S.build_parser().parse_args
-    S.check_demo_flags(parse(["demo", "--out", str(tmp_path / "d")]))
-    S.check_bench_flags(parse(["bench"]))
-    S.check_train_flags(parse(["train", "--device", "cpu"]))
-    S.check_verify_flags(parse(_flags(tmp_path, "verify")))
-    S.check_rollout_flags(parse(_flags(tmp_path, "rollout")))
+    def check(argv):
+        S.check_flags(S.flags_from_args(S.build_parser().parse_args(argv)))
+
+    check(["demo", "--out", str(tmp_path / "d")])
+    check(["bench"])
+    check(["train", "--device", "cpu"])
+    check(_flags(tmp_path, "verify"))
+    check(_flags(tmp_path, "rollout"))
     with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
-        S.check_bench_flags(parse(["bench", "--repeats", "0"]))
+        check(["bench", "--repeats", "0"])
     assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
 
 
