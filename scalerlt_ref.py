@@ -1714,8 +1714,8 @@ def _check_hf_types(d: dict, source: str):
     if not all(isinstance(x, str) for x in d.get("layer_types") or []):
         raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
     eos = d.get("eos_token_id")
-    if isinstance(eos, list) and not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
-        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a list of integers")
+    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
 
 
 def _check_hf_semantics(d: dict, source: str):
@@ -1732,9 +1732,61 @@ def _check_hf_semantics(d: dict, source: str):
         raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
 
 
-def _build_config(kw: dict, source: str) -> Config:
-    """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
+# NOTE: a copy of the method part's _is_finite_number, for the checks at the edges; the original goes when
+# Config.__post_init__ stops checking its input (then drop this noqa)
+def _is_finite_number(v) -> bool:  # noqa: F811
+    """An int or float (not a bool) that is finite; an int too large for a float is not."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
     try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
+def check_config(kw: dict) -> None:
+    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, with a
+    ValueError naming the key: wrong types, sizes < 1, an odd head size (RoPE rotates pairs), heads that
+    do not form groups, token ids outside the vocabulary, a negative threshold."""
+    c = {f.name: f.default for f in dataclasses.fields(Config)} | kw
+    for f in dataclasses.fields(Config):
+        v, kind, null = c[f.name], f.type.split(" |")[0], f.type.endswith("| None")
+        ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": _is_finite_number(v)}.get(kind)
+        if not (null and v is None) and not (isinstance(v, bool) if kind == "bool" else ok):
+            want = {"int": "an integer", "float": "a finite number", "bool": "true or false"}[kind]
+            raise ValueError(f"config key {f.name!r} must be {want}{' or null' if null else ''}, got {v!r}")
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for name in (*sizes, "num_key_value_heads", "max_position_embeddings"):
+        if c[name] < 1:
+            raise ValueError(f"config key {name!r} must be >= 1, got {c[name]}")
+    if c["total_ut_steps"] < 1:
+        raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {c['total_ut_steps']}")
+    C, H, G = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    if c["head_dim"] == 0 and C % H:
+        raise ValueError(
+            f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C}) when 'head_dim' is not given"
+        )
+    D = c["head_dim"] or C // H
+    if D < 2 or D % 2:
+        raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {D}")
+    if H % G:
+        raise ValueError(f"config key 'num_key_value_heads' ({G}) must divide 'num_attention_heads' ({H})")
+    if c["rms_norm_eps"] <= 0 or c["rope_theta"] <= 0:
+        raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if c[name] is not None and not 0 <= c[name] < c["vocab_size"]:
+            raise ValueError(f"config key {name!r} = {c[name]} is outside the vocabulary 0..{c['vocab_size'] - 1}")
+    if c["initializer_range"] < 0:
+        raise ValueError(f"config key 'initializer_range' must be >= 0, got {c['initializer_range']}")
+    if c["early_exit_threshold"] is not None and c["early_exit_threshold"] < 0:  # would exit at the first loop always
+        raise ValueError(f"config key 'early_exit_threshold' must be >= 0 or null, got {c['early_exit_threshold']}")
+
+
+def _build_config(kw: dict, source: str) -> Config:
+    """Config(**kw) once `check_config` passes, its errors naming `source`, and refused before any
+    allocation if too large."""
+    try:
+        check_config(kw)
         cfg = Config(**kw)
         _check_config_size(cfg)
     except (TypeError, ValueError) as e:
@@ -1763,7 +1815,7 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
-        kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+        kw["eos_token_id"] = kw["eos_token_id"][0]
     return _build_config(kw, source)
 
 
@@ -2940,8 +2992,10 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     for lineno, d in read_jsonl(path):
         where = f"{path}:{lineno}"
         for key in RECORD_KEYS:
-            if not isinstance(d.get(key), list):
+            if key not in d:
                 raise ValueError(f"{where}: missing list key {key!r}")
+            if not isinstance(d[key], list):
+                raise ValueError(f"{where}: key {key!r} must be a list, got {type(d[key]).__name__}")
         n = len(d["completion_ids"])
         if not d["prompt_ids"]:
             raise ValueError(f"{where}: 'prompt_ids' is empty")
@@ -3594,32 +3648,46 @@ def cmd_verify(args) -> int:
     return 0 if passed else 1
 
 
+def read_prompts(flags, cfg: Config) -> list[list[int]]:
+    """The prompts of `rollout --prompts`, as ids: {"prompt_ids": [...]} or {"prompt": "text"} per line (text
+    through the checkpoint's tokenizer.json, else bytes; "prompt_ids" wins where both are given). Every
+    problem is a ValueError naming the file and line."""
+    tok, prompts, V, limit = None, [], cfg.vocab_size, cfg.max_position_embeddings
+    for lineno, d in read_jsonl(flags.prompts):
+        where = f"{flags.prompts}:{lineno}"
+        for key, kind in (("prompt_ids", list), ("prompt", str)):
+            if key in d and not isinstance(d[key], kind):
+                raise ValueError(f"{where}: {key!r} must be a {kind.__name__}, got {type(d[key]).__name__}")
+        if "prompt_ids" not in d and "prompt" not in d:
+            raise ValueError(f"{where}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
+        key = "prompt_ids" if "prompt_ids" in d else "prompt"
+        if key == "prompt" and tok is None:
+            tok_path = Path(flags.model or ".") / "tokenizer.json"
+            tok = HFTokenizer(tok_path) if flags.model and tok_path.exists() else ByteTokenizer()
+        ids = d[key] if key == "prompt_ids" else tok.encode(_check_text(d[key], where, key))
+        bad = [x for x in ids if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
+        if bad or not ids:
+            raise ValueError(
+                f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1}"
+                + (f" (found {bad[0]!r})" if bad else " (it is empty)")
+            )
+        if len(ids) + flags.max_new_tokens > limit:
+            raise ValueError(
+                f"{where}: {key!r}: {len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit "
+                f"max_position_embeddings={limit}"
+            )
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{flags.prompts}: no prompts")
+    return prompts
+
+
 def cmd_rollout(args) -> int:
     """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
     model = _load_model_arg(args, DTYPES[args.dtype])
     if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
         raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
-    tok = None
-    prompts = []
-    V = model.config.vocab_size
-    for lineno, d in read_jsonl(args.prompts):
-        if isinstance(d.get("prompt_ids"), list):
-            bad = [x for x in d["prompt_ids"] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
-            if bad or not d["prompt_ids"]:
-                raise ValueError(
-                    f"{args.prompts}:{lineno}: 'prompt_ids' must be a non-empty list of ids in "
-                    f"0..{V - 1}" + (f" (found {bad[0]!r})" if bad else "")
-                )
-            prompts.append(d["prompt_ids"])
-        elif isinstance(d.get("prompt"), str):
-            if tok is None:
-                tok_path = Path(args.model or ".") / "tokenizer.json"
-                tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
-            prompts.append(tok.encode(_check_text(d["prompt"], f"{args.prompts}:{lineno}", "prompt")))
-        else:
-            raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
-    if not prompts:
-        raise ValueError(f"{args.prompts}: no prompts")
+    prompts = read_prompts(args, model.config)
     ro = rollout(
         model,
         prompts,
@@ -4200,7 +4268,9 @@ def _preset_flags(name: str, base, preset: dict) -> type:
         else:
             default, help, *meta = v
             f = fields[key]
-            spec.append((key, f.type, field(default=default, metadata={**f.metadata, "help": help, **(meta or [{}])[0]})))
+            spec.append(
+                (key, f.type, field(default=default, metadata={**f.metadata, "help": help, **(meta or [{}])[0]}))
+            )
     return dataclasses.make_dataclass(name, spec)
 
 

@@ -1866,6 +1866,7 @@ def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
 
 def test_default_flags_pass_their_checks(tmp_path):
     """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
+
     def check(argv):
         S.check_flags(S.flags_from_args(S.build_parser().parse_args(argv)))
 
@@ -3133,3 +3134,99 @@ def test_resumed_sampled_run_equals_uninterrupted(tmp_path):
     ]
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), n
+
+
+# --- issue 17: bad inputs refused at the edges ---
+
+HUGE_FLAGS = [
+    ("rollout", "--temperature"),
+    ("train", "--temperature"),
+    ("train", "--lr"),
+    ("train", "--beta"),
+    ("train", "--loop-cost"),
+    ("demo", "--lr"),
+    ("demo", "--loop-cost"),
+    ("verify", "--atol"),
+    ("verify", "--flip-margin"),
+]
+
+
+@pytest.mark.parametrize("command,flag", HUGE_FLAGS)
+def test_huge_real_flags_refused_before_any_work(tmp_path, capsys, command, flag):
+    """Finite is not enough: 1e308 overflows (or passes everything) hours later, so every real flag has an
+    upper bound, checked before any work: exit 2, one line naming the flag, nothing written."""
+    rc, err = _run(capsys, _flags(tmp_path, command) + [flag, "1e308"])
+    assert rc == 2
+    _one_line_error(err, flag, "1e+308")
+    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+
+
+def test_every_flag_declares_its_checks():
+    """Every flag of every command is declared with what the checker needs: a range for a number, and
+    choices, a pattern or a path kind for a string where one applies (none is left unchecked by accident)."""
+    for name, (cls, *_) in S.COMMANDS.items():
+        for f in dataclasses.fields(cls):
+            kind = f.type.split(" |")[0]
+            if kind in ("int", "float"):
+                assert "within" in f.metadata, (name, f.name)
+            assert f.metadata["help"], (name, f.name)
+
+
+@pytest.mark.parametrize(
+    "hf,key,value",
+    [(False, "early_exit_threshold", -0.5), (True, "eos_token_id", []), (True, "early_exit_threshold", -1)],
+)
+def test_config_loader_refuses_negative_threshold_and_empty_eos_list(tmp_path, capsys, hf, key, value):
+    """A negative exit threshold (every position would exit at loop 1) and an empty eos_token_id list (which
+    used to become "no EOS" silently) are refused by the loader, naming the file and the key."""
+    cfg = tmp_path / "cfg.json"
+    base = S.config_to_hf(S.Config(**TINY)) if hf else dict(TINY)
+    cfg.write_text(json.dumps(base | {key: value}))
+    with pytest.raises(ValueError, match=key):
+        S.load_config(cfg)
+    rc, err = _run(capsys, ["verify", "--config", str(cfg), "--rollouts", str(_good_records(tmp_path))])
+    assert rc == 2
+    _one_line_error(err, str(cfg), repr(key))
+
+
+def test_check_config_matches_the_config_checks():
+    """check_config (the loader's checks, before a Config is built) refuses what Config refused, with the
+    same message; the defaults pass."""
+    S.check_config({})
+    S.check_config(dict(TINY))
+    bad = dict(hidden_size=0, num_attention_heads=3, head_dim=3, rope_theta=-1.0, eos_token_id=50)
+    for key, value in (bad | dict(tie_word_embeddings=1, initializer_range=float("nan"))).items():
+        with pytest.raises(ValueError) as mine:
+            S.check_config(dict(TINY, **{key: value}))
+        with pytest.raises(ValueError) as theirs:
+            S.Config(**dict(TINY, **{key: value}))
+        assert str(mine.value) == str(theirs.value), (key, value)
+
+
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"prompt_ids": "x", "prompt": "ok"}', "'prompt_ids' must be a list, got str"),
+        ('{"prompt": 3}', "'prompt' must be a str, got int"),
+        ('{"prompt": ""}', "'prompt'"),
+        ('{"prompt": "' + "a" * 1030 + '"}', "position limit"),
+        ('{"prompt_ids": [' + ", ".join(["1"] * 1000) + "]}", "position limit"),
+    ],
+)
+def test_bad_prompt_lines_name_file_and_line(tmp_path, capsys, line, needle):
+    """A prompt key of the wrong type (even beside a good one), an empty prompt and a prompt too long for
+    the position limit are errors naming the prompts file and line, before sampling, writing nothing."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n' + line + "\n")
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:2:", needle)
+
+
+@pytest.mark.parametrize("key", S.RECORD_KEYS)
+def test_record_key_of_wrong_type_says_so(tmp_path, capsys, key):
+    """A record key that is present but not a list is reported as such, not as missing."""
+    records = _good_records(tmp_path, json.dumps(GOOD_RECORD | {key: "x"}))
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", f"key {key!r} must be a list, got str")
