@@ -4123,6 +4123,8 @@ class ModelFlags:
 
 @dataclass
 class RolloutFlags(ModelFlags):
+    """`rollout`'s flags."""
+
     prompts: str | None = _flag(
         None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line', required=True, path="file"
     )
@@ -4142,6 +4144,8 @@ class RolloutFlags(ModelFlags):
 
 @dataclass
 class VerifyFlags(ModelFlags):
+    """`verify`'s flags (a float64 reference by default)."""
+
     dtype: str = _flag("float64", "model dtype", choices=tuple(DTYPES))
     rollouts: str | None = _flag(None, "records JSONL (see README: Checking your engine)", required=True, path="file")
     engine_dtype: str = _flag(
@@ -4174,6 +4178,8 @@ class VerifyFlags(ModelFlags):
 
 @dataclass
 class BenchFlags:
+    """`bench`'s flags."""
+
     config: str = _flag(str(CONFIGS / "bench.json"), "model config (a random model)", path="file", exclusive="optional")
     model: str | None = _flag(
         None,
