@@ -1406,8 +1406,8 @@ def _check_hf_types(d: dict, source: str):
     if not all(isinstance(x, str) for x in d.get("layer_types") or []):
         raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
     eos = d.get("eos_token_id")
-    if isinstance(eos, list) and not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
-        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a list of integers")
+    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
 
 
 def _check_hf_semantics(d: dict, source: str):
@@ -1434,61 +1434,50 @@ def _is_finite_number(v) -> bool:
         return False
 
 
-def check_config(cfg: Config, head_dim_derived: bool) -> None:
-    """Every config key's type and range, each error naming the key (configs are checked here, where they
-    are read; the model trusts them)."""
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"config key {f.name!r} must be an integer, got {v!r}")
-        if f.type == "float" and not _is_finite_number(v):
-            raise ValueError(f"config key {f.name!r} must be a finite number, got {v!r}")
-        if f.type == "float | None" and v is not None and not _is_finite_number(v):
-            raise ValueError(f"config key {f.name!r} must be a finite number or null, got {v!r}")
-        if f.type == "bool" and not isinstance(v, bool):
-            raise ValueError(f"config key {f.name!r} must be true or false, got {v!r}")
-        if f.type == "int | None" and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"config key {f.name!r} must be an integer or null, got {v!r}")
-    for name in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-    ):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"config key {name!r} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.total_ut_steps < 1:
-        raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {cfg.total_ut_steps}")
-    if head_dim_derived and cfg.hidden_size % cfg.num_attention_heads:
+def check_config(kw: dict) -> None:
+    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, with a
+    ValueError naming the key: wrong types, sizes < 1, an odd head size (RoPE rotates pairs), heads that
+    do not form groups, token ids outside the vocabulary, a negative threshold."""
+    c = {f.name: f.default for f in dataclasses.fields(Config)} | kw
+    for f in dataclasses.fields(Config):
+        v, kind, null = c[f.name], f.type.split(" |")[0], f.type.endswith("| None")
+        ok = {"int": isinstance(v, int) and not isinstance(v, bool), "float": _is_finite_number(v)}.get(kind)
+        if not (null and v is None) and not (isinstance(v, bool) if kind == "bool" else ok):
+            want = {"int": "an integer", "float": "a finite number", "bool": "true or false"}[kind]
+            raise ValueError(f"config key {f.name!r} must be {want}{' or null' if null else ''}, got {v!r}")
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    for name in (*sizes, "num_key_value_heads", "max_position_embeddings"):
+        if c[name] < 1:
+            raise ValueError(f"config key {name!r} must be >= 1, got {c[name]}")
+    if c["total_ut_steps"] < 1:
+        raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {c['total_ut_steps']}")
+    C, H, G = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    if c["head_dim"] == 0 and C % H:
         raise ValueError(
-            f"config key 'num_attention_heads' ({cfg.num_attention_heads}) must divide "
-            f"'hidden_size' ({cfg.hidden_size}) when 'head_dim' is not given"
+            f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C}) when 'head_dim' is not given"
         )
-    if cfg.head_dim < 2 or cfg.head_dim % 2:
-        raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {cfg.head_dim}")
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ValueError(
-            f"config key 'num_key_value_heads' ({cfg.num_key_value_heads}) must divide "
-            f"'num_attention_heads' ({cfg.num_attention_heads})"
-        )
-    if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
+    D = c["head_dim"] or C // H
+    if D < 2 or D % 2:
+        raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {D}")
+    if H % G:
+        raise ValueError(f"config key 'num_key_value_heads' ({G}) must divide 'num_attention_heads' ({H})")
+    if c["rms_norm_eps"] <= 0 or c["rope_theta"] <= 0:
         raise ValueError("config keys 'rms_norm_eps' and 'rope_theta' must be > 0")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = getattr(cfg, name)
-        if v is not None and not 0 <= v < cfg.vocab_size:
-            raise ValueError(f"config key {name!r} = {v} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-    if cfg.initializer_range < 0:
-        raise ValueError(f"config key 'initializer_range' must be >= 0, got {cfg.initializer_range}")
+        if c[name] is not None and not 0 <= c[name] < c["vocab_size"]:
+            raise ValueError(f"config key {name!r} = {c[name]} is outside the vocabulary 0..{c['vocab_size'] - 1}")
+    if c["initializer_range"] < 0:
+        raise ValueError(f"config key 'initializer_range' must be >= 0, got {c['initializer_range']}")
+    if c["early_exit_threshold"] is not None and c["early_exit_threshold"] < 0:  # would exit at the first loop always
+        raise ValueError(f"config key 'early_exit_threshold' must be >= 0 or null, got {c['early_exit_threshold']}")
 
 
 def _build_config(kw: dict, source: str) -> Config:
-    """Config(**kw), its errors naming `source`, and refused before any allocation if too large."""
+    """Config(**kw) once `check_config` passes, its errors naming `source`, and refused before any
+    allocation if too large."""
     try:
+        check_config(kw)
         cfg = Config(**kw)
-        check_config(cfg, kw.get("head_dim", 0) in (0, None))
         _check_config_size(cfg)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
@@ -1516,7 +1505,7 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
-        kw["eos_token_id"] = kw["eos_token_id"][0] if kw["eos_token_id"] else None
+        kw["eos_token_id"] = kw["eos_token_id"][0]
     return _build_config(kw, source)
 
 
@@ -2125,66 +2114,96 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Flag checks: every command checks all its flags before any work (loading, warm start, writing)
+# Flags: each command's flags are the fields of one dataclass; one builder, one checker
 # ---------------------------------------------------------------------------------------------------
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 MAX_BENCH_BATCH = 4096  # the bench draws this many prompts at most
+DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
+CONFIGS = Path(__file__).with_name("tiny_configs")
+# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a
+# temperature, learning rate, KL or loop-cost weight that large overflows (or flattens) everything after
+# hours of work, while an --atol or --flip-margin that large passes any engine. The bounds are far beyond
+# any sensible value: temperature 100 (typical logits divided by 100 are already uniform to a few parts
+# in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop cost (the
+# task reward lies in [0, 1]), atol 1000 nats (e^-1000 underflows even float64), flip margin 1 (a CDF
+# minus a threshold in [0, 1]).
 
 
-def _want(args, name: str, ok: bool, want: str) -> None:
-    """A one-line ValueError naming the flag --name unless `ok`."""
-    if not ok:
-        raise ValueError(f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)!r}")
+def _flag(default, help: str, **meta):
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within`
+    (lo, hi) or (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex
+    the value must match; `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive`
+    "required" or "optional": the command's one mutually exclusive group (--model or --config)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
-def _int_flags(args, lo: int, hi: int, *names: str) -> None:
-    for name in names:
-        v = getattr(args, name)
-        _want(args, name, isinstance(v, int) and lo <= v <= hi, f"an integer in {lo}..{hi:,}")
+def add_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per field of the dataclass `cls`, with its type, default, choices and help."""
+    group = None
+    for f in dataclasses.fields(cls):
+        m, kind = f.metadata, f.type.split(" |")[0]
+        kw = {k: m[k] for k in ("help", "choices", "required") if k in m}
+        if kind == "bool":
+            kw["action"] = "store_true"
+        elif kind in ("int", "float"):
+            kw["type"] = {"int": int, "float": float}[kind]
+        if "exclusive" in m and group is None:
+            group = parser.add_mutually_exclusive_group(required=m["exclusive"] == "required")
+        (group if "exclusive" in m else parser).add_argument("--" + f.name.replace("_", "-"), default=f.default, **kw)
 
 
-def _real_flag(
-    args,
-    name: str,
-    lo: float,
-    hi: float = math.inf,
-    *,
-    lo_open: bool = False,
-    hi_open: bool = False,
-    optional: bool = False,
-) -> None:
-    """--name must be a finite number in [lo, hi] (ends open where asked); None passes when optional."""
-    v = getattr(args, name)
-    if optional and v is None:
-        return
-    ok = _is_finite_number(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    left, right = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
-    _want(
-        args,
-        name,
-        ok,
-        "a finite number"
-        if (lo, hi) == (-math.inf, math.inf)
-        else f"a finite number > {lo}"
-        if lo_open and hi == math.inf
-        else f"a finite number >= {lo}"
-        if hi == math.inf
-        else f"a finite number in {left}{lo}, {hi}{right}",
-    )
+def _check_flag(f: dataclasses.Field, v) -> str | None:
+    """What the flag's value must be, if `v` is not that (from the field's type and metadata)."""
+    m, kind = f.metadata, f.type.split(" |")[0]
+    if "choices" in m:
+        return None if v in m["choices"] else f"one of {', '.join(m['choices'])}"
+    if "pattern" in m:
+        return None if isinstance(v, str) and re.fullmatch(m["pattern"], v) else m["help"]
+    if kind == "int":
+        lo, hi = m["within"]
+        return (
+            None if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else f"an integer in {lo}..{hi:,}"
+        )
+    if kind == "float":
+        lo, hi, ends = (*m["within"], "[]")[:3]
+        if _is_finite_number(v) and (lo < v if ends[0] == "(" else lo <= v) and (v < hi if ends[1] == ")" else v <= hi):
+            return None
+        if hi == math.inf:
+            return "a finite number" if lo == -math.inf else f"a finite number {'>' if ends[0] == '(' else '>='} {lo}"
+        return f"a finite number in {ends[0]}{lo}, {hi}{ends[1]}"
+    return None
 
 
-def _check_device(args) -> None:
-    d = args.device
-    _want(
-        args,
-        "device",
-        d in ("auto", "cpu") or re.fullmatch(r"cuda(:\d{1,3})?", d) is not None,
-        "cpu, cuda, cuda:N or auto",
-    )
-    if d.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {d}: no CUDA device is available")
+def check_flags(flags) -> None:
+    """Every flag of a command (its flags dataclass: TrainConfig, RolloutFlags, ...), before any work:
+    a one-line ValueError naming the first bad flag. Files to read must exist; outputs must be writable."""
+    for f in dataclasses.fields(flags):
+        v, name = getattr(flags, f.name), "--" + f.name.replace("_", "-")
+        if v is None and f.default is None:  # not given: the flag's "default: ..." in its help applies
+            continue
+        want = _check_flag(f, v)
+        if want:
+            raise ValueError(f"{name} must be {want}, got {v!r}")
+        if "path" in f.metadata and not (f.name == "config" and getattr(flags, "model", None)):  # --model wins
+            _check_path(v, f.metadata["path"], name)
+        if "out" in f.metadata:
+            _check_out(v, f.metadata["out"], name)
+    # the rules between flags
+    n = getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)
+    if n > MAX_COUNT:
+        raise ValueError(f"--prompts-per-step x --group-size = {n:,} sequences per step; at most {MAX_COUNT:,}")
+    if getattr(flags, "exit_policy", None) == "sampled" and flags.exit_rule != "survival":
+        raise ValueError(
+            "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic), got 'sampled'"
+        )
+    if getattr(flags, "resume", False) and not flags.out:
+        raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
+    if getattr(flags, "device", "cpu").startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {flags.device}: no CUDA device is available")
 
 
 def _check_out(path: str, kind: str, flag: str = "--out") -> None:
@@ -2204,139 +2223,6 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
-
-
-def _check_exit_rule_flag(args) -> None:
-    _want(args, "exit_rule", args.exit_rule in EXIT_RULES, f"one of {', '.join(EXIT_RULES)}")
-
-
-def _check_exit_policy_flags(args, loop_cost: bool = True) -> None:
-    """--exit-policy (sampled draws with survival's lambda: --exit-rule hf is refused) and --loop-cost."""
-    _want(args, "exit_policy", args.exit_policy in EXIT_POLICIES, f"one of {', '.join(EXIT_POLICIES)}")
-    _want(
-        args,
-        "exit_policy",
-        args.exit_policy == "threshold" or args.exit_rule == "survival",
-        "threshold with --exit-rule hf (hf is a threshold rule's arithmetic)",
-    )
-    if loop_cost:
-        _real_flag(args, "loop_cost", 0.0)
-
-
-def _check_model_source(args) -> None:
-    if getattr(args, "model", None):
-        _check_path(args.model, "folder", "--model")
-    elif getattr(args, "config", None):
-        _check_path(args.config, "file", "--config")
-
-
-def check_train_flags(args) -> None:
-    """Every `train` flag, before any work: a ValueError naming the first bad flag."""
-    _int_flags(args, 1, 10**9, "steps", "save_every")
-    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "min_loops")
-    _int_flags(args, 1, 1000, "mu")
-    _int_flags(args, 0, 10**9, "sft_steps")
-    _int_flags(args, 0, MAX_SEED, "seed")
-    _want(
-        args,
-        "subset",
-        args.subset is None or (isinstance(args.subset, int) and 1 <= args.subset <= MAX_COUNT),
-        f"an integer in 1..{MAX_COUNT:,}",
-    )
-    if args.prompts_per_step * args.group_size > MAX_COUNT:
-        raise ValueError(
-            f"--prompts-per-step x --group-size = {args.prompts_per_step * args.group_size:,} "
-            f"sequences per step; at most {MAX_COUNT:,}"
-        )
-    _real_flag(args, "temperature", 0.0)
-    _real_flag(args, "lr", 0.0, lo_open=True)
-    _real_flag(args, "max_grad_norm", 0.0, lo_open=True)
-    _real_flag(args, "epsilon_low", 0.0, 1.0, hi_open=True)  # the ratio's lower clip 1 - eps must stay > 0
-    _real_flag(args, "epsilon_high", 0.0, 1000.0)
-    _real_flag(args, "beta", 0.0)
-    _check_exit_rule_flag(args)
-    _check_exit_policy_flags(args)
-    _check_device(args)
-    _check_model_source(args)
-    if args.data:
-        _check_path(args.data, "file", "--data")
-    if args.resume and not args.out:
-        raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
-    if args.out:
-        _check_out(args.out, "folder")
-
-
-def check_demo_flags(args) -> None:
-    """Every `demo` flag, before any work."""
-    _int_flags(args, 1, 10**9, "steps")
-    _int_flags(args, 0, 10**9, "sft_steps")
-    _int_flags(args, 1, MAX_COUNT, "prompts_per_step", "group_size", "max_new_tokens", "problems", "eval_problems")
-    _int_flags(args, 1, 1000, "mu")
-    _int_flags(args, 0, MAX_SEED - 1, "seed")  # the held-out set draws from seed + 1
-    _real_flag(args, "lr", 0.0, lo_open=True)
-    _check_exit_rule_flag(args)
-    _check_exit_policy_flags(args)
-    _check_path(args.config, "file", "--config")
-    if args.out:
-        _check_out(args.out, "folder")
-
-
-def _check_model_flags(args) -> None:
-    """The flags `_model_flags` adds (rollout and verify)."""
-    _check_model_source(args)
-    _int_flags(args, 0, MAX_SEED, "init_seed")
-    _int_flags(args, 1, MAX_COUNT, "min_loops")
-    _real_flag(args, "exit_threshold", -math.inf, optional=True)
-    _check_exit_rule_flag(args)
-    _check_device(args)
-
-
-def check_rollout_flags(args) -> None:
-    """Every `rollout` flag, before any work (--eos-id is checked against the vocabulary once it is known)."""
-    _check_model_flags(args)
-    _int_flags(args, 1, MAX_COUNT, "max_new_tokens")
-    _int_flags(args, 0, MAX_SEED, "seed")
-    _want(
-        args,
-        "eos_id",
-        args.eos_id is None or (isinstance(args.eos_id, int) and 0 <= args.eos_id <= MAX_SEED),
-        "a token id >= 0",
-    )
-    _real_flag(args, "temperature", 0.0)
-    _check_exit_policy_flags(args, loop_cost=False)
-    _check_path(args.prompts, "file", "--prompts")
-    _check_out(args.out, "file")
-
-
-def check_verify_flags(args) -> None:
-    """Every `verify` flag, before any work."""
-    _check_model_flags(args)
-    _want(args, "engine_dtype", args.engine_dtype in ENGINE_TOLERANCES, f"one of {', '.join(ENGINE_TOLERANCES)}")
-    _real_flag(args, "atol", 0.0, optional=True)
-    _real_flag(args, "flip_margin", 0.0, optional=True)
-    _real_flag(args, "sampler_alpha", 0.0, 1.0)
-    _int_flags(args, 1, MAX_COUNT, "batch_size")
-    _int_flags(args, 0, MAX_SEED, "seed")
-    _check_path(args.rollouts, "file", "--rollouts")
-    if args.plot:
-        _check_out(args.plot, "file", "--plot")
-
-
-def check_bench_flags(args) -> None:
-    """Every `bench` flag, before any work."""
-    _int_flags(args, 1, MAX_COUNT, "new_tokens", "cache_tokens", "cache_prompt", "repeats")
-    _int_flags(args, 0, MAX_SEED, "seed")
-    _want(
-        args,
-        "batch",
-        args.batch is None or (isinstance(args.batch, int) and 1 <= args.batch <= MAX_BENCH_BATCH),
-        f"an integer in 1..{MAX_BENCH_BATCH:,}",
-    )
-    _real_flag(args, "gate_bias", -math.inf, optional=True)
-    _real_flag(args, "exit_threshold", -math.inf, optional=True)
-    _real_flag(args, "memory_gb", 0.0, lo_open=True, optional=True)
-    _check_device(args)
-    _check_model_source(args)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2407,57 +2293,61 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
 # Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun
 # ---------------------------------------------------------------------------------------------------
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 REWARDS = ("strict", "lenient", "digits")
-HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
-CONFIGS = Path(__file__).with_name("tiny_configs")
-
-
-def _flag(default, help: str, **argparse_kw):
-    """A TrainConfig field that is also a `train` flag: its default and help live in one place."""
-    return field(default=default, metadata={"help": help, **argparse_kw})
 
 
 @dataclass
 class TrainConfig:
-    """Everything `train` needs. The `train` command builds it from its flags (one flag per field,
-    `_` written `-`); the demo builds it directly. `validate()` runs before any work starts."""
+    """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it
+    (`DEMO_PRESET`). `train()` checks it (`check_flags`) before any work starts."""
 
-    config: str = _flag(str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)")
-    model: str | None = _flag(None, "HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)")
-    data: str | None = _flag(None, "GSM8K JSONL file (default: the built-in arithmetic task)")
-    subset: int | None = _flag(None, "use a seeded random subset of this many problems")
-    steps: int = _flag(20, "GRPO steps")
-    prompts_per_step: int = _flag(8, "prompts per step (global, all processes)")
-    group_size: int = _flag(8, "completions per prompt")
-    max_new_tokens: int = _flag(16, "completion length limit")
-    temperature: float = _flag(1.0, "sampling temperature")
-    min_loops: int = _flag(1, "no position exits before this loop")
+    config: str = _flag(
+        str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)", path="file", exclusive="optional"
+    )
+    model: str | None = _flag(
+        None,
+        "HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)",
+        path="folder",
+        exclusive="optional",
+    )
+    data: str | None = _flag(None, "GSM8K JSONL file (default: the built-in arithmetic task)", path="file")
+    subset: int | None = _flag(None, "use a seeded random subset of this many problems", within=(1, MAX_COUNT))
+    steps: int = _flag(20, "GRPO steps", within=(1, 10**9))
+    prompts_per_step: int = _flag(8, "prompts per step (global, all processes)", within=(1, MAX_COUNT))
+    group_size: int = _flag(8, "completions per prompt", within=(1, MAX_COUNT))
+    max_new_tokens: int = _flag(16, "completion length limit", within=(1, MAX_COUNT))
+    temperature: float = _flag(1.0, "sampling temperature", within=(0.0, 100.0))
+    min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
     exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
     exit_policy: str = _flag(
         "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
     )
-    loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)")
+    loop_cost: float = _flag(
+        0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1000.0)
+    )
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
-    device: str = _flag("auto", "cpu, cuda, cuda:N or auto")
-    seed: int = _flag(0, "seed of init, data order and sampling")
-    lr: float = _flag(1e-3, "AdamW learning rate")
-    max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)")
-    epsilon_low: float = _flag(0.2, "lower clip range")
-    epsilon_high: float = _flag(0.2, "upper clip range")
-    beta: float = _flag(0.0, "k3 KL coefficient to the starting model (0: off)")
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
+    lr: float = _flag(1e-3, "AdamW learning rate", within=(0.0, 1.0, "(]"))
+    max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)", within=(0.0, math.inf, "()"))
+    # the ratio's lower clip 1 - epsilon_low must stay > 0
+    epsilon_low: float = _flag(0.2, "lower clip range", within=(0.0, 1.0, "[)"))
+    epsilon_high: float = _flag(0.2, "upper clip range", within=(0.0, 1000.0))
+    beta: float = _flag(0.0, "k3 KL coefficient to the starting model (0: off)", within=(0.0, 1000.0))
     scale_rewards: str = _flag("group", "advantage scaling", choices=SCALE_REWARDS)
     loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
-    mu: int = _flag(1, "inner iterations per batch of rollouts")
-    sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config")
+    mu: int = _flag(1, "inner iterations per batch of rollouts", within=(1, 1000))
+    sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     reward: str = _flag(
         "strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)", choices=REWARDS
     )
     log_rollouts: bool = _flag(False, "append every rollout record to OUT/rollouts.rankN.jsonl")
-    out: str | None = _flag(None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl")
-    save_every: int = _flag(10, "checkpoint every N steps (and at the end)")
+    out: str | None = _flag(
+        None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl", out="folder"
+    )
+    save_every: int = _flag(10, "checkpoint every N steps (and at the end)", within=(1, 10**9))
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
 
     def policy(self, eos_id: int | None) -> Policy:
@@ -2483,17 +2373,6 @@ class TrainConfig:
             mu=self.mu,
             max_grad_norm=self.max_grad_norm,
         )
-
-    def validate(self) -> None:
-        """Refuse bad settings before any work, naming the flag (`check_train_flags`, plus the choices
-        that argparse checks for the command line and nothing checks for a TrainConfig built in Python)."""
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"--{f.name.replace('_', '-')} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}"
-                )
-        check_train_flags(self)
 
 
 def rollout_records(ro: Rollout) -> list[dict]:
@@ -2715,7 +2594,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
     "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
     """
-    cfg.validate()
+    check_flags(cfg)
     dist = _distributed_setup(cfg)
     rank, world = dist["rank"], dist["world"]
     if cfg.prompts_per_step % world:
@@ -2868,8 +2747,10 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     for lineno, d in read_jsonl(path):
         where = f"{path}:{lineno}"
         for key in RECORD_KEYS:
-            if not isinstance(d.get(key), list):
+            if key not in d:
                 raise ValueError(f"{where}: missing list key {key!r}")
+            if not isinstance(d[key], list):
+                raise ValueError(f"{where}: key {key!r} must be a list, got {type(d[key]).__name__}")
         n = len(d["completion_ids"])
         if not d["prompt_ids"]:
             raise ValueError(f"{where}: 'prompt_ids' is empty")
@@ -3456,13 +3337,8 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
 
 def cmd_verify(args) -> int:
     """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
-    try:
-        check_verify_flags(args)
-        model = _load_model_arg(args, DTYPES[args.dtype])
-        records = read_records(args.rollouts, model.config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
+    records = read_records(args.rollouts, model.config)
     atol, flip = ENGINE_TOLERANCES[args.engine_dtype]
     atol = atol if args.atol is None else args.atol
     flip = flip if args.flip_margin is None else args.flip_margin
@@ -3523,33 +3399,46 @@ def cmd_verify(args) -> int:
     return 0 if passed else 1
 
 
+def read_prompts(flags, cfg: Config) -> list[list[int]]:
+    """The prompts of `rollout --prompts`, as ids: {"prompt_ids": [...]} or {"prompt": "text"} per line (text
+    through the checkpoint's tokenizer.json, else bytes; "prompt_ids" wins where both are given). Every
+    problem is a ValueError naming the file and line."""
+    tok, prompts, V, limit = None, [], cfg.vocab_size, cfg.max_position_embeddings
+    for lineno, d in read_jsonl(flags.prompts):
+        where = f"{flags.prompts}:{lineno}"
+        for key, kind in (("prompt_ids", list), ("prompt", str)):
+            if key in d and not isinstance(d[key], kind):
+                raise ValueError(f"{where}: {key!r} must be a {kind.__name__}, got {type(d[key]).__name__}")
+        if "prompt_ids" not in d and "prompt" not in d:
+            raise ValueError(f"{where}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
+        key = "prompt_ids" if "prompt_ids" in d else "prompt"
+        if key == "prompt" and tok is None:
+            tok_path = Path(flags.model or ".") / "tokenizer.json"
+            tok = HFTokenizer(tok_path) if flags.model and tok_path.exists() else ByteTokenizer()
+        ids = d[key] if key == "prompt_ids" else tok.encode(_check_text(d[key], where, key))
+        bad = [x for x in ids if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
+        if bad or not ids:
+            raise ValueError(
+                f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1}"
+                + (f" (found {bad[0]!r})" if bad else " (it is empty)")
+            )
+        if len(ids) + flags.max_new_tokens > limit:
+            raise ValueError(
+                f"{where}: {key!r}: {len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit "
+                f"max_position_embeddings={limit}"
+            )
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{flags.prompts}: no prompts")
+    return prompts
+
+
 def cmd_rollout(args) -> int:
     """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
-    check_rollout_flags(args)
     model = _load_model_arg(args, DTYPES[args.dtype])
     if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
         raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
-    tok = None
-    prompts = []
-    V = model.config.vocab_size
-    for lineno, d in read_jsonl(args.prompts):
-        if isinstance(d.get("prompt_ids"), list):
-            bad = [x for x in d["prompt_ids"] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
-            if bad or not d["prompt_ids"]:
-                raise ValueError(
-                    f"{args.prompts}:{lineno}: 'prompt_ids' must be a non-empty list of ids in "
-                    f"0..{V - 1}" + (f" (found {bad[0]!r})" if bad else "")
-                )
-            prompts.append(d["prompt_ids"])
-        elif isinstance(d.get("prompt"), str):
-            if tok is None:
-                tok_path = Path(args.model or ".") / "tokenizer.json"
-                tok = HFTokenizer(tok_path) if args.model and tok_path.exists() else ByteTokenizer()
-            prompts.append(tok.encode(_check_text(d["prompt"], f"{args.prompts}:{lineno}", "prompt")))
-        else:
-            raise ValueError(f"{args.prompts}:{lineno}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
-    if not prompts:
-        raise ValueError(f"{args.prompts}: no prompts")
+    prompts = read_prompts(args, model.config)
     policy = Policy(
         mode=args.mode,
         numerics=args.numerics,
@@ -3700,7 +3589,6 @@ def cmd_bench(args) -> int:
     AdamW state is two more copies of the weights) and the KV-cache comparison shrinks to the short prompt
     and --new-tokens. The output says so.
     """
-    check_bench_flags(args)
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     real = args.model is not None
     cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
@@ -3956,38 +3844,126 @@ def cmd_bench(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Commands
+# Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them
 # ---------------------------------------------------------------------------------------------------
 
 
-def _train_parser(sub) -> None:
-    """The `train` flags: one per TrainConfig field, with its default and help."""
-    p = sub.add_parser(
-        "train",
-        formatter_class=HELP,
-        help="GRPO with exact log-probs (torchrun for several processes)",
-        description="GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
-        "or the built-in arithmetic task. Run under torchrun for data parallel.",
+@dataclass
+class ModelFlags:
+    """The flags of a command that loads one model: a checkpoint, or a random model from a config."""
+
+    model: str | None = _flag(None, "HF Ouro checkpoint folder", path="folder", exclusive="required")
+    config: str | None = _flag(
+        None, "model config JSON (a random model from --init-seed)", path="file", exclusive="required"
     )
-    src = p.add_mutually_exclusive_group()
-    for f in dataclasses.fields(TrainConfig):
-        kw = dict(f.metadata, default=f.default)
-        if isinstance(f.default, bool):
-            kw["action"] = "store_true"
-        elif "choices" not in kw and f.type != "str" and f.type != "str | None":
-            kw["type"] = {"int": int, "int | None": int, "float": float}[f.type]
-        (src if f.name in ("config", "model") else p).add_argument("--" + f.name.replace("_", "-"), **kw)
+    init_seed: int = _flag(0, "seed of the random model's weights (with --config)", within=(0, MAX_SEED))
+    dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
+    device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    kv: str = _flag("exact", "KV semantics (last_exited: KV-copy engines)", choices=tuple(KV_POLICIES))
+    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(-math.inf, math.inf))
+    min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
+    exit_rule: str = _flag(
+        "survival",
+        "exit rule: survival (README, Contract §3) or hf (Hugging Face modeling_ouro's arithmetic, in the model dtype)",
+        choices=EXIT_RULES,
+    )
 
 
-def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The `train` command's flags as a TrainConfig (validated)."""
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    cfg.validate()
-    return cfg
+@dataclass
+class RolloutFlags(ModelFlags):
+    """`rollout`'s flags."""
+
+    prompts: str | None = _flag(
+        None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line', required=True, path="file"
+    )
+    out: str | None = _flag(None, "records JSONL to write", required=True, out="file")
+    mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
+    numerics: str = _flag("fast", "row numerics", choices=NUMERICS)
+    max_new_tokens: int = _flag(32, "completion length limit", within=(1, MAX_COUNT))
+    temperature: float = _flag(1.0, "sampling temperature (0: greedy)", within=(0.0, 100.0))
+    eos_id: int | None = _flag(None, "end-of-sequence id (default: the config's)", within=(0, MAX_SEED))
+    seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
+    exit_policy: str = _flag(
+        "threshold",
+        "threshold (the exit rule) or sampled (exits drawn from the gates; records gain exit_logprobs)",
+        choices=EXIT_POLICIES,
+    )
 
 
-def cmd_train(args) -> int:
-    cfg = train_config_from_args(args)
+@dataclass
+class VerifyFlags(ModelFlags):
+    """`verify`'s flags (a float64 reference by default)."""
+
+    dtype: str = _flag("float64", "model dtype", choices=tuple(DTYPES))
+    rollouts: str | None = _flag(None, "records JSONL (see README: Checking your engine)", required=True, path="file")
+    engine_dtype: str = _flag(
+        "float32",
+        "the dtype the engine computed in: sets the defaults of --atol and --flip-margin "
+        f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
+        "which the exit rule is evaluated on the reference's gates",
+        choices=tuple(ENGINE_TOLERANCES),
+    )
+    atol: float | None = _flag(
+        None, "largest accepted |log-prob difference| (None: --engine-dtype's)", within=(0.0, 1000.0)
+    )
+    flip_margin: float | None = _flag(
+        None,
+        "an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
+        "failure (None: --engine-dtype's)",
+        within=(0.0, 1.0),
+    )
+    sampler_alpha: float = _flag(
+        1e-3,
+        "fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) is below this",
+        within=(0.0, 1.0),
+    )
+    seed: int = _flag(0, "seed of the sampler test's uniforms", within=(0, MAX_SEED))
+    batch_size: int = _flag(16, "sequences per teacher-forced pass", within=(1, MAX_COUNT))
+    plot: str | None = _flag(
+        None, "write a PNG: |log-prob difference| per token, and the sampler test's histogram", out="file"
+    )
+
+
+@dataclass
+class BenchFlags:
+    """`bench`'s flags."""
+
+    config: str = _flag(str(CONFIGS / "bench.json"), "model config (a random model)", path="file", exclusive="optional")
+    model: str | None = _flag(
+        None,
+        "HF Ouro checkpoint folder: bench its shapes (no GRPO step; a short cache test)",
+        path="folder",
+        exclusive="optional",
+    )
+    dtype: str = _flag("both", "model dtype(s)", choices=("both", "bfloat16", "float32"))
+    device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    batch: int | None = _flag(
+        None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BENCH_BATCH)
+    )
+    new_tokens: int = _flag(32, "new tokens per rollout", within=(1, MAX_COUNT))
+    cache_tokens: int = _flag(128, "new tokens for the cache comparison", within=(1, MAX_COUNT))
+    cache_prompt: int = _flag(
+        128,
+        "prompt tokens for the cache comparison "
+        "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too",
+        within=(1, MAX_COUNT),
+    )
+    repeats: int = _flag(3, "alternating repeats (medians are reported)", within=(1, MAX_COUNT))
+    gate_bias: float | None = _flag(
+        None,
+        "set the exit gate's bias (default: 1.0 on the random model, the checkpoint's own with --model)",
+        within=(-math.inf, math.inf),
+    )
+    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(-math.inf, math.inf))
+    memory_gb: float | None = _flag(
+        None,
+        "memory for the KV-cache fit (default: the GPU's, or this machine's physical memory)",
+        within=(0.0, math.inf, "()"),
+    )
+    seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
+
+
+def cmd_train(cfg: TrainConfig) -> int:
     try:
         result = train(cfg)
     except (NonFiniteError, ReplayMismatchError):
@@ -4004,6 +3980,55 @@ def cmd_train(args) -> int:
         )
     )
     return 0
+
+
+# The demo is a TrainConfig preset: the fields it exposes as flags, each with the demo's default and help
+# (and, optionally, metadata that differs), plus flags of its own; `DEMO_FIXED` are set without a flag.
+DEMO_PRESET = {
+    "config": (str(CONFIGS / "demo.json"), "model config"),
+    "sft_steps": (220, "warm-start steps"),
+    "steps": (70, "GRPO steps"),
+    "prompts_per_step": (32, "prompts per GRPO step"),
+    "group_size": (8, "completions per prompt"),
+    "lr": (5e-4, "GRPO learning rate"),
+    "mu": (1, "GRPO inner iterations per batch of rollouts"),
+    "max_new_tokens": (16, "completion length limit"),
+    "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
+    "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
+    "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
+    "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
+    "exit_policy": (
+        "threshold",
+        "threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
+    ),
+    "loop_cost": (0.0, "reward -= this x the sequence's mean exit loop"),
+    "scale_rewards": (
+        "group",
+        "advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
+    ),
+    "out": ("runs/demo", "output folder (checkpoint, metrics, plot)"),
+}
+DEMO_FIXED = {"mode": "deferred", "device": "cpu", "save_every": 10**9}  # one checkpoint, at the end
+
+
+def _preset_flags(name: str, base, preset: dict) -> type:
+    """A flags dataclass of `preset`'s fields: a base field with a new default and help (and metadata), or
+    a field of its own."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    spec = []
+    for key, v in preset.items():
+        if isinstance(v, dataclasses.Field):
+            spec.append((key, type(v.default).__name__, v))
+        else:
+            default, help, *meta = v
+            f = fields[key]
+            spec.append(
+                (key, f.type, field(default=default, metadata={**f.metadata, "help": help, **(meta or [{}])[0]}))
+            )
+    return dataclasses.make_dataclass(name, spec)
+
+
+DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 
 
 def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
@@ -4038,68 +4063,9 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     print(f"wrote {path}")
 
 
-def cmd_demo(args) -> int:
-    """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
-    check_demo_flags(args)
-    cfg = TrainConfig(
-        config=args.config,
-        steps=args.steps,
-        sft_steps=args.sft_steps,
-        subset=args.problems,
-        prompts_per_step=args.prompts_per_step,
-        group_size=args.group_size,
-        lr=args.lr,
-        mu=args.mu,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        mode="deferred",
-        exit_rule=args.exit_rule,
-        exit_policy=args.exit_policy,
-        loop_cost=args.loop_cost,
-        scale_rewards=args.scale_rewards,
-        device="cpu",
-        out=args.out,
-        save_every=10**9,
-    )  # one checkpoint, at the end
-    cfg.validate()
-    t0 = time.time()
-    pool = arithmetic_problems(args.problems, seed=args.seed)
-    seen = {p["question"] for p in pool}
-    held_out = [
-        p for p in arithmetic_problems(4 * args.eval_problems, seed=args.seed + 1) if p["question"] not in seen
-    ][: args.eval_problems]
-    before: dict = {}
-    policy = cfg.policy(None)  # evaluate() makes it greedy, with the tokenizer's EOS
-
-    def on_start(model, tok):
-        before.update(evaluate(model, tok, held_out, policy, max_new_tokens=args.max_new_tokens))
-        print(
-            f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
-            f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
-            f"{before['tokens_per_second']:.0f} tok/s"
-        )
-
-    try:
-        result = train(cfg, on_start=on_start)
-    except (NonFiniteError, ReplayMismatchError):
-        return 1  # train() has printed the diagnosis
-    model, tok, history = result["model"], result["tokenizer"], result["history"]
-    after = evaluate(model, tok, held_out, policy, max_new_tokens=args.max_new_tokens)
-    gain, gain_se = paired_gain(before["correct"], after["correct"])
-    print(
-        f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
-        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired); mean exit loop {after['mean_exit_loop']:.2f}, deferred "
-        f"{after['tokens_per_second']:.0f} tok/s"
-    )
-    total = sum(after["exit_histogram"])
-    print("exit loops of generated tokens (held-out, after GRPO):")
-    for r, c in enumerate(after["exit_histogram"], 1):
-        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
-    if args.out:
-        _plot_history(
-            history, Path(args.out) / "demo.png", model.config.total_ut_steps, before["accuracy"], after["accuracy"]
-        )
-    summary = {
+def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags) -> dict:
+    gain, gain_se = gain
+    return {
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
         "gain": round(gain, 4),
@@ -4114,171 +4080,113 @@ def cmd_demo(args) -> int:
             (m.get("sampling/naive_logp_difference/max", 0.0) for m in history), default=0.0
         ),
         "exit_histogram": after["exit_histogram"],
-        "exit_policy": args.exit_policy,
-        "loop_cost": args.loop_cost,
-        "scale_rewards": args.scale_rewards,
+        "exit_policy": flags.exit_policy,
+        "loop_cost": flags.loop_cost,
+        "scale_rewards": flags.scale_rewards,
         "mean_exit_loop_before": round(before["mean_exit_loop"], 4),
         "mean_exit_loop_after": round(after["mean_exit_loop"], 4),
         "tokens_per_second_before": round(before["tokens_per_second"], 1),
         "tokens_per_second_after": round(after["tokens_per_second"], 1),
         "grpo_steps": len(history),
-        "seconds": round(time.time() - t0, 1),
     }
-    print(json.dumps(summary))
+
+
+def cmd_demo(flags) -> int:
+    """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
+    preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
+    cfg = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems)
+    t0 = time.time()
+    seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
+    held_out = [
+        p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen
+    ][: flags.eval_problems]
+    before: dict = {}
+    policy = cfg.policy(None)  # evaluate() makes it greedy, with the tokenizer's EOS
+
+    def on_start(model, tok):
+        before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))
+        print(
+            f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
+            f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
+            f"{before['tokens_per_second']:.0f} tok/s"
+        )
+
+    try:
+        result = train(cfg, on_start=on_start)
+    except (NonFiniteError, ReplayMismatchError):
+        return 1  # train() has printed the diagnosis
+    model, tok, history = result["model"], result["tokenizer"], result["history"]
+    after = evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens)
+    gain, gain_se = paired_gain(before["correct"], after["correct"])
+    print(
+        f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
+        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired); mean exit loop {after['mean_exit_loop']:.2f}, deferred "
+        f"{after['tokens_per_second']:.0f} tok/s"
+    )
+    total = sum(after["exit_histogram"])
+    print("exit loops of generated tokens (held-out, after GRPO):")
+    for r, c in enumerate(after["exit_histogram"], 1):
+        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
+    if flags.out:
+        R = model.config.total_ut_steps
+        _plot_history(history, Path(flags.out) / "demo.png", R, before["accuracy"], after["accuracy"])
+    summary = _demo_summary(before, after, (gain, gain_se), history, flags)
+    print(json.dumps(summary | {"seconds": round(time.time() - t0, 1)}))
     return 0
 
 
-def _model_flags(p, dtype_default: str) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF Ouro checkpoint folder")
-    src.add_argument("--config", help="model config JSON (a random model from --init-seed)")
-    p.add_argument("--init-seed", type=int, default=0, help="seed of the random model's weights (with --config)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=dtype_default, help="model dtype")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument(
-        "--kv", choices=tuple(KV_POLICIES), default="exact", help="KV semantics (last_exited: KV-copy engines)"
-    )
-    p.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
-    p.add_argument("--min-loops", type=int, default=1, help="no position exits before this loop")
-    p.add_argument(
-        "--exit-rule",
-        choices=EXIT_RULES,
-        default="survival",
-        help="exit rule: survival (SPEC §3) or hf (Hugging Face modeling_ouro's arithmetic, in the model dtype)",
-    )
-
-
-def build_parser():
-    parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser(
-        "demo",
-        formatter_class=HELP,
-        help="the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
-        description="From nothing: warm start on the built-in arithmetic task, held-out greedy "
+COMMANDS = {  # name: (its flags, its function, --help line, description)
+    "demo": (
+        DemoFlags,
+        cmd_demo,
+        "the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
+        "From nothing: warm start on the built-in arithmetic task, held-out greedy "
         "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.",
-    )
-    d.add_argument("--config", default=str(CONFIGS / "demo.json"), help="model config")
-    d.add_argument("--sft-steps", type=int, default=220, help="warm-start steps")
-    d.add_argument("--steps", type=int, default=70, help="GRPO steps")
-    d.add_argument("--prompts-per-step", type=int, default=32, help="prompts per GRPO step")
-    d.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    d.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
-    d.add_argument("--mu", type=int, default=1, help="GRPO inner iterations per batch of rollouts")
-    d.add_argument("--max-new-tokens", type=int, default=16, help="completion length limit")
-    d.add_argument("--problems", type=int, default=2000, help="training problems")
-    d.add_argument("--eval-problems", type=int, default=400, help="held-out problems")
-    d.add_argument("--seed", type=int, default=0, help="seed of everything")
-    d.add_argument("--exit-rule", choices=EXIT_RULES, default="survival", help="exit rule (hf: modeling_ouro's)")
-    d.add_argument(
-        "--exit-policy",
-        choices=EXIT_POLICIES,
-        default="threshold",
-        help="threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
-    )
-    d.add_argument("--loop-cost", type=float, default=0.0, help="reward -= this x the sequence's mean exit loop")
-    d.add_argument(
-        "--scale-rewards",
-        choices=SCALE_REWARDS,
-        default="group",
-        help="advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
-    )
-    d.add_argument("--out", default="runs/demo", help="output folder (checkpoint, metrics, plot)")
-    _train_parser(sub)
-    r = sub.add_parser(
-        "rollout",
-        formatter_class=HELP,
-        help="sample completions and write rollout records (JSONL)",
-        description="Sample completions and write one record per sequence: prompt_ids, "
+    ),
+    "train": (
+        TrainConfig,
+        cmd_train,
+        "GRPO with exact log-probs (torchrun for several processes)",
+        "GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
+        "or the built-in arithmetic task. Run under torchrun for data parallel.",
+    ),
+    "rollout": (
+        RolloutFlags,
+        cmd_rollout,
+        "sample completions and write rollout records (JSONL)",
+        "Sample completions and write one record per sequence: prompt_ids, "
         "completion_ids, exit_loops (1-based), logprobs, temperature.",
-    )
-    _model_flags(r, "float32")
-    r.add_argument("--prompts", required=True, help='JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line')
-    r.add_argument("--out", required=True, help="records JSONL to write")
-    r.add_argument("--mode", choices=("dense", "deferred"), default="deferred", help="rollout mode")
-    r.add_argument("--numerics", choices=NUMERICS, default="fast", help="row numerics")
-    r.add_argument("--max-new-tokens", type=int, default=32, help="completion length limit")
-    r.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    r.add_argument("--eos-id", type=int, help="end-of-sequence id (default: the config's)")
-    r.add_argument("--seed", type=int, default=0, help="sampling seed (sequence i draws from seed and i)")
-    r.add_argument(
-        "--exit-policy",
-        choices=EXIT_POLICIES,
-        default="threshold",
-        help="threshold (the exit rule) or sampled (exits drawn from the gates; records gain exit_logprobs)",
-    )
-    v = sub.add_parser(
-        "verify",
-        formatter_class=HELP,
-        help="check another implementation's rollout records against this reference",
-        description="Recompute every recorded token's log-prob at its recorded exit loop "
+    ),
+    "verify": (
+        VerifyFlags,
+        cmd_verify,
+        "check another implementation's rollout records against this reference",
+        "Recompute every recorded token's log-prob at its recorded exit loop "
         "(teacher-forced) and check every exit loop against the exit rule. Exit "
         "status 0: all within tolerance; 1: mismatches; 2: bad input.",
-    )
-    _model_flags(v, "float64")
-    v.add_argument("--rollouts", required=True, help="records JSONL (see README: Checking your engine)")
-    v.add_argument(
-        "--engine-dtype",
-        choices=tuple(ENGINE_TOLERANCES),
-        default="float32",
-        help="the dtype the engine computed in: sets the defaults of --atol and --flip-margin "
-        f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
-        "which the exit rule is evaluated on the reference's gates",
-    )
-    v.add_argument("--atol", type=float, help="largest accepted |log-prob difference| (None: --engine-dtype's)")
-    v.add_argument(
-        "--flip-margin",
-        type=float,
-        help="an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
-        "failure (None: --engine-dtype's)",
-    )
-    v.add_argument(
-        "--sampler-alpha",
-        type=float,
-        default=1e-3,
-        help="fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) "
-        "is below this",
-    )
-    v.add_argument("--seed", type=int, default=0, help="seed of the sampler test's uniforms")
-    v.add_argument("--batch-size", type=int, default=16, help="sequences per teacher-forced pass")
-    v.add_argument("--plot", help="write a PNG: |log-prob difference| per token, and the sampler test's histogram")
-    bp = sub.add_parser(
-        "bench",
-        formatter_class=HELP,
-        help="dense vs deferred throughput, replay, learner and cache costs",
-        description="Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
+    ),
+    "bench": (
+        BenchFlags,
+        cmd_bench,
+        "dense vs deferred throughput, replay, learner and cache costs",
+        "Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
         "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
         "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.",
-    )
-    src = bp.add_mutually_exclusive_group()
-    src.add_argument("--config", default=str(CONFIGS / "bench.json"), help="model config (a random model)")
-    src.add_argument("--model", help="HF Ouro checkpoint folder: bench its shapes (no GRPO step; a short cache test)")
-    bp.add_argument("--dtype", choices=("both", "bfloat16", "float32"), default="both", help="model dtype(s)")
-    bp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    bp.add_argument("--batch", type=int, help="rollout batch size (default: 1 and 8; with --model, 1)")
-    bp.add_argument("--new-tokens", type=int, default=32, help="new tokens per rollout")
-    bp.add_argument("--cache-tokens", type=int, default=128, help="new tokens for the cache comparison")
-    bp.add_argument(
-        "--cache-prompt",
-        type=int,
-        default=128,
-        help="prompt tokens for the cache comparison "
-        "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too",
-    )
-    bp.add_argument("--repeats", type=int, default=3, help="alternating repeats (medians are reported)")
-    bp.add_argument(
-        "--gate-bias",
-        type=float,
-        help="set the exit gate's bias (default: 1.0 on the random model, the checkpoint's own with --model)",
-    )
-    bp.add_argument("--exit-threshold", type=float, help="exit threshold (default: the config's)")
-    bp.add_argument(
-        "--memory-gb",
-        type=float,
-        help="memory for the KV-cache fit (default: the GPU's, or this machine's physical memory)",
-    )
-    bp.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling")
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (cls, _, help, description) in COMMANDS.items():
+        add_flags(sub.add_parser(name, formatter_class=HELP, help=help, description=description), cls)
     return parser
+
+
+def flags_from_args(args: argparse.Namespace):
+    """The parsed command line as its command's flags dataclass (not yet checked: see `check_flags`)."""
+    return COMMANDS[args.command][0](**{k: v for k, v in vars(args).items() if k != "command"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -4286,9 +4194,9 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they happen, even through a pipe
     try:
-        return {"demo": cmd_demo, "train": cmd_train, "rollout": cmd_rollout, "verify": cmd_verify, "bench": cmd_bench}[
-            args.command
-        ](args)
+        flags = flags_from_args(args)
+        check_flags(flags)  # every flag, before any work
+        return COMMANDS[args.command][1](flags)
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

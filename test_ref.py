@@ -130,6 +130,13 @@ def configs(draw, init: tuple[float, float] = BITWISE_INIT) -> S.Config:
     )
 
 
+def sample(model: S.LoopedLM, prompts: list, **kw) -> S.Rollout:
+    """`S.rollout` with the policy's settings given as keywords (the tests vary them one at a time)."""
+    fields = {f.name for f in dataclasses.fields(S.Policy)}
+    policy = S.Policy(**{k: v for k, v in kw.items() if k in fields})
+    return S.rollout(model, prompts, policy, **{k: v for k, v in kw.items() if k not in fields})
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One drawn rollout: a tiny model (config + init seed) and the rollout's arguments."""
@@ -154,7 +161,7 @@ class Case:
             min_loops=self.min_loops,
             seed=self.seed,
         )
-        return S.rollout(model, self.prompts, **(args | kw))
+        return sample(model, self.prompts, **(args | kw))
 
 
 @st.composite
@@ -533,7 +540,7 @@ def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, numerics="fast")
     weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
-    hybrid = S.learner_logprobs(model, ro, numerics=tf_numerics)
+    hybrid = S.learner_logprobs(model, ro, numerics=tf_numerics)[0]
     assert torch.equal(hybrid.detach(), S.replay_logprobs(model, ro))
     g_hybrid = _grads(model, hybrid, weights, ro.mask)
     g_tf = _grads(model, S.teacher_forced_logprobs(model, ro, numerics=tf_numerics), weights, ro.mask)
@@ -681,7 +688,7 @@ def test_sequence_does_not_depend_on_its_batch(case, mode, data):
     model = case.model()
     i = data.draw(st.integers(0, len(case.prompts) - 1))
     batch = case.rollout(model, mode=mode, numerics="invariant")
-    alone = S.rollout(
+    alone = sample(
         model,
         [case.prompts[i]],
         mode=mode,
@@ -773,7 +780,7 @@ def test_loss_aggregations_hand_computed(agg, expect):
     logp = torch.zeros(2, 4)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = S.grpo_loss(logp, logp.clone(), adv, mask, loss_agg=agg)
+    loss, stats = S.grpo_loss(logp, logp.clone(), adv, mask, S.GRPOConfig(loss_agg=agg))
     assert abs(float(loss) - expect) < 1e-7, f"{agg}: {float(loss)} != {expect}"
     assert stats["clip_ratio"] == 0.0
 
@@ -783,7 +790,7 @@ def test_clipped_surrogate_hand_computed():
     logp_old = torch.zeros(2, 1)
     logp = torch.full((2, 1), math.log(1.5))
     loss, stats = S.grpo_loss(
-        logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool), epsilon_low=0.2, epsilon_high=0.2
+        logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool), S.GRPOConfig(epsilon_low=0.2)
     )
     expect = -(1.2 * 1.0 + 1.5 * -1.0) / 2
     assert abs(float(loss) - expect) < 1e-6, f"{float(loss)} != {expect}"
@@ -799,7 +806,7 @@ def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
     bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode)
-    value = S.learner_logprobs(model, ro).detach()
+    value = S.learner_logprobs(model, ro)[0].detach()
     assert torch.equal(value, ro.logprobs), f"max |diff| = {maxdiff(value, ro.logprobs):.3e}"
     B = len(ro.prompts)
     rewards = torch.arange(B, dtype=torch.float32) % 2  # one group: advantages not all 0 when B > 1
@@ -844,7 +851,7 @@ def test_teacher_forced_gradient_finite_differences():
         max_position_embeddings=32,
     )
     model = S.LoopedLM(cfg, seed=1).double()
-    ro = S.rollout(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
+    ro = sample(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
     w = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * ro.mask
     f = lambda: float((S.teacher_forced_logprobs(model, ro) * w).sum())  # noqa: E731
     model.zero_grad()
@@ -1196,9 +1203,11 @@ def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
 def test_last_exited_is_a_different_policy():
     """KV-copy semantics differ from exact ones as soon as a generated token exits early."""
     model = S.LoopedLM(S.Config.from_json(TINY_JSON))
-    ro = S.rollout(model, [[5, 6, 7]], mode="deferred", numerics="invariant", max_new_tokens=8, seed=3)
+    ro = sample(model, [[5, 6, 7]], mode="deferred", numerics="invariant", max_new_tokens=8, seed=3)
     assert any(e < 4 for e in ro.exit_loops[0][1:-1]), "this seed must give an early exit"
-    other = S.teacher_forced_logprobs(model, dataclasses.replace(ro, kv="last_exited"), "invariant").detach()
+    other = S.teacher_forced_logprobs(
+        model, dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, kv="last_exited")), "invariant"
+    ).detach()
     exact = S.teacher_forced_logprobs(model, ro, "invariant").detach()
     assert torch.equal(exact, ro.logprobs) and not torch.equal(other, exact)
 
@@ -1729,11 +1738,12 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
             value,
         ]
     )
+    cfg = S.flags_from_args(args)
     with pytest.raises(ValueError, match=flag):
-        S.train_config_from_args(args)  # the checks refuse it first
-    monkeypatch.setattr(S.TrainConfig, "validate", lambda self: None)
+        S.check_flags(cfg)  # the checks refuse it first
+    monkeypatch.setattr(S, "check_flags", lambda flags: None)
     with pytest.raises(S.NonFiniteError, match="parameters are not finite after the optimizer step"):
-        S.train(S.train_config_from_args(args), log=lambda *_: None)
+        S.train(cfg, log=lambda *_: None)
     assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
 
 
@@ -1865,14 +1875,17 @@ def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
 
 def test_default_flags_pass_their_checks(tmp_path):
     """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
-    parse = S.build_parser().parse_args
-    S.check_demo_flags(parse(["demo", "--out", str(tmp_path / "d")]))
-    S.check_bench_flags(parse(["bench"]))
-    S.check_train_flags(parse(["train", "--device", "cpu"]))
-    S.check_verify_flags(parse(_flags(tmp_path, "verify")))
-    S.check_rollout_flags(parse(_flags(tmp_path, "rollout")))
+
+    def check(argv):
+        S.check_flags(S.flags_from_args(S.build_parser().parse_args(argv)))
+
+    check(["demo", "--out", str(tmp_path / "d")])
+    check(["bench"])
+    check(["train", "--device", "cpu"])
+    check(_flags(tmp_path, "verify"))
+    check(_flags(tmp_path, "rollout"))
     with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
-        S.check_bench_flags(parse(["bench", "--repeats", "0"]))
+        check(["bench", "--repeats", "0"])
     assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
 
 
@@ -2059,9 +2072,9 @@ def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, m
     adv = S.group_advantages(rewards, G)
 
     def loss(lp):
-        return S.grpo_loss(lp, ro.logprobs, adv, ro.mask, loss_agg=agg, **eps)
+        return S.grpo_loss(lp, ro.logprobs, adv, ro.mask, S.GRPOConfig(loss_agg=agg, **eps))
 
-    value, stats = loss(S.learner_logprobs(probe, ro))
+    value, stats = loss(S.learner_logprobs(probe, ro)[0])
     assert stats["clip_ratio"] > 0, f"nothing clipped at iteration 2: {stats}"
     params = dict(probe.named_parameters())
     auto = dict(zip(params, torch.autograd.grad(value, list(params.values()), allow_unused=True)))
@@ -2249,11 +2262,11 @@ def test_replay_is_bitwise_under_both_rules(case, mode, dtype, rule):
     reproduces the log-probs bit for bit under either rule."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, exit_rule=rule)
-    assert ro.exit_rule == rule and ro.schedule.exit_rule == rule
-    assert S.Schedule.from_json(ro.schedule.to_json()).exit_rule == rule
+    assert ro.policy.exit_rule == rule and ro.schedule.policy is ro.policy
+    assert S.Schedule.from_json(ro.schedule.to_json()).policy == ro.policy
     replay = S.replay_logprobs(model, ro)
     assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
-    learner = S.learner_logprobs(model, ro)
+    learner = S.learner_logprobs(model, ro)[0]
     assert torch.equal(learner.detach().cpu(), ro.logprobs)
 
 
@@ -2274,7 +2287,7 @@ def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
 def test_old_schedule_json_reads_as_survival():
     """Schedules written before exit rules were data were all decided by survival."""
     d = {"mode": "dense", "numerics": "fast", "dtype": "torch.float32", "loops": 2, "calls": []}
-    assert S.Schedule.from_json(json.dumps(d)).exit_rule == "survival"
+    assert S.Schedule.from_json(json.dumps(d)).policy.exit_rule == "survival"
 
 
 def test_no_threshold_means_exit_at_R(tmp_path):
@@ -2290,7 +2303,7 @@ def test_no_threshold_means_exit_at_R(tmp_path):
     with torch.no_grad():
         model.model.early_exit_gate.bias.fill_(30.0)  # saturated gates: a float32 CDF of 1.0 at loop 1
     for rule in S.EXIT_RULES:
-        ro = S.rollout(model, [[1, 2], [3]], max_new_tokens=4, exit_rule=rule)
+        ro = sample(model, [[1, 2], [3]], max_new_tokens=4, exit_rule=rule)
         assert all(e == 3 for seq in ro.exit_loops for e in seq), (rule, ro.exit_loops)
 
 
@@ -2299,7 +2312,7 @@ def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None) 
     model = S.LoopedLM(cfg or S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=0).double()
     recs = []
     for t in temperatures:
-        ro = S.rollout(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
+        ro = sample(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
                        temperature=t, seed=seed)  # fmt: skip
         recs += S.rollout_records(ro)
     return model, recs
@@ -2337,8 +2350,8 @@ def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
     model = S.LoopedLM(cfg, seed=0).double()
-    ro = S.rollout(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
-    lie = dataclasses.replace(ro, temperature=1.0)
+    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
+    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, temperature=1.0))
     lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
     rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie)))
     assert s["sampler_tokens"] == 2000 and s["mismatched_tokens"] == 0 and s["exit_rule_violations"] == 0, s
@@ -2722,7 +2735,7 @@ def test_rollout_bytes_of_a_prefill_hand_counted():
     cfg = S.Config(**TINY)
     model = S.LoopedLM(cfg)
     T, b = 5, 4
-    ro = S.rollout(model, [list(range(T))], mode="dense", max_new_tokens=1, seed=0)
+    ro = sample(model, [list(range(T))], mode="dense", max_new_tokens=1, seed=0)
     C, I, V, L, R = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers, cfg.total_ut_steps
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     layer = 2 * C * H * D + 2 * C * KVH * D + 3 * C * I + 4 * C
@@ -2817,11 +2830,13 @@ def test_sampled_exits_replay_bitwise(case, mode, dtype):
     from a schedule read back from JSON): GRPO's first ratio is exactly 1 for the joint policy too."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, exit_policy="sampled")
-    assert ro.exit_policy == "sampled" and ro.schedule.exit_policy == "sampled" and ro.min_loops == case.min_loops
+    assert (
+        ro.policy.exit_policy == "sampled" and ro.schedule.policy is ro.policy and ro.policy.min_loops == case.min_loops
+    )
     assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
     assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
     schedule = S.Schedule.from_json(ro.schedule.to_json())
-    assert schedule.exit_policy == "sampled" and schedule.min_loops == case.min_loops
+    assert schedule.policy == ro.policy
     for r in (ro, dataclasses.replace(ro, schedule=schedule)):
         tok, ext = S.replay_logprobs(model, r, with_exits=True)
         assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
@@ -2871,9 +2886,7 @@ def test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mod
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, exit_policy="sampled")
     weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
-    tok, ext = S.learner_logprobs(model, ro, numerics=tf_numerics, with_exits=True)
-    assert torch.equal(tok.detach(), ro.logprobs) and torch.equal(ext.detach(), ro.exit_logprobs)
-    joint = S.joint_logprobs(ro, tok, ext)
+    joint, _ = S.learner_logprobs(model, ro, numerics=tf_numerics)  # tokens' and exits' log-probs, joint
     assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)
     g_hybrid = _grads(model, joint, weights, ro.mask)
     g_tf = _grads(
@@ -2929,7 +2942,7 @@ def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
         model.model.early_exit_gate.weight.mul_(0.1)
         model.model.early_exit_gate.bias.fill_(-0.7)
     prompt, n = [3, 1, 4], 4000
-    ro = S.rollout(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
+    ro = sample(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
     gates = model.loop_outputs(torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
     counts = Counter(e[0] for e in ro.exit_loops)
     assert all(r >= min_loops for r in counts), counts
@@ -2967,7 +2980,7 @@ def _sequence_grads_with_exits(model: S.LoopedLM, ro: S.Rollout) -> list[dict]:
     out = []
     for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops)):
         exit_sum = sum(
-            _exit_logprob_by_hand(gates[:, b, len(prompt) - 1 + k], e, ro.min_loops) for k, e in enumerate(exits)
+            _exit_logprob_by_hand(gates[:, b, len(prompt) - 1 + k], e, ro.policy.min_loops) for k, e in enumerate(exits)
         )
         gs = torch.autograd.grad(
             (tf[b] * ro.mask[b]).sum() + exit_sum, list(params.values()), retain_graph=True, allow_unused=True
@@ -3017,21 +3030,21 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
     """The default policy: exit log-probs are 0 (its exits are not actions), records carry no
     "exit_logprobs", and an explicit exit_policy="threshold" is the default bit for bit."""
     model = S.LoopedLM(S.Config(**TINY), seed=0)
-    a = S.rollout(model, [[1, 2], [3]], max_new_tokens=5, seed=1)
-    b = S.rollout(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
-    assert a.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
+    a = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1)
+    b = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
+    assert a.policy.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
     assert a.completions == b.completions and a.exit_loops == b.exit_loops and torch.equal(a.logprobs, b.logprobs)
     assert all("exit_logprobs" not in r for r in S.rollout_records(a))
     with pytest.raises(ValueError, match="threshold rule"):
-        S.rollout(model, [[1]], exit_policy="sampled", exit_rule="hf")
+        sample(model, [[1]], exit_policy="sampled", exit_rule="hf")
     with pytest.raises(ValueError, match="exit policy"):
-        S.rollout(model, [[1]], exit_policy="always")
+        sample(model, [[1]], exit_policy="always")
 
 
 def _sampled_records(n_prompts=10, new=12, min_loops=1, seed=0) -> tuple[S.LoopedLM, list[dict]]:
     model = S.LoopedLM(S.Config(**(TINY | dict(total_ut_steps=3))), seed=0).double()
     prompts = [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(n_prompts)]
-    ro = S.rollout(model, prompts, max_new_tokens=new, exit_policy="sampled", min_loops=min_loops, seed=seed)
+    ro = sample(model, prompts, max_new_tokens=new, exit_policy="sampled", min_loops=min_loops, seed=seed)
     return model, S.rollout_records(ro)
 
 
@@ -3130,3 +3143,75 @@ def test_resumed_sampled_run_equals_uninterrupted(tmp_path):
     ]
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), n
+
+
+# --- issue 17: bad inputs refused at the edges ---
+
+HUGE_FLAGS = [
+    ("rollout", "--temperature"),
+    ("train", "--temperature"),
+    ("train", "--lr"),
+    ("train", "--beta"),
+    ("train", "--loop-cost"),
+    ("demo", "--lr"),
+    ("demo", "--loop-cost"),
+    ("verify", "--atol"),
+    ("verify", "--flip-margin"),
+]
+
+
+@pytest.mark.parametrize("command,flag", HUGE_FLAGS)
+def test_huge_real_flags_refused_before_any_work(tmp_path, capsys, command, flag):
+    """Finite is not enough: 1e308 overflows (or passes everything) hours later, so every real flag has an
+    upper bound, checked before any work: exit 2, one line naming the flag, nothing written."""
+    rc, err = _run(capsys, _flags(tmp_path, command) + [flag, "1e308"])
+    assert rc == 2
+    _one_line_error(err, flag, "1e+308")
+    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+
+
+def test_every_flag_declares_its_checks():
+    """Every flag of every command is declared with what the checker needs: a range for a number, and
+    choices, a pattern or a path kind for a string where one applies (none is left unchecked by accident)."""
+    for name, (cls, *_) in S.COMMANDS.items():
+        for f in dataclasses.fields(cls):
+            kind = f.type.split(" |")[0]
+            if kind in ("int", "float"):
+                assert "within" in f.metadata, (name, f.name)
+            assert f.metadata["help"], (name, f.name)
+
+
+@pytest.mark.parametrize(
+    "hf,key,value",
+    [(False, "early_exit_threshold", -0.5), (True, "eos_token_id", []), (True, "early_exit_threshold", -1)],
+)
+def test_config_loader_refuses_negative_threshold_and_empty_eos_list(tmp_path, capsys, hf, key, value):
+    """A negative exit threshold (every position would exit at loop 1) and an empty eos_token_id list (which
+    used to become "no EOS" silently) are refused by the loader, naming the file and the key."""
+    cfg = tmp_path / "cfg.json"
+    base = S.config_to_hf(S.Config(**TINY)) if hf else dict(TINY)
+    cfg.write_text(json.dumps(base | {key: value}))
+    with pytest.raises(ValueError, match=key):
+        S.load_config(cfg)
+    rc, err = _run(capsys, ["verify", "--config", str(cfg), "--rollouts", str(_good_records(tmp_path))])
+    assert rc == 2
+    _one_line_error(err, str(cfg), repr(key))
+
+
+def test_bad_prompt_lines_name_file_and_line(tmp_path, capsys, line, needle):
+    """A prompt key of the wrong type (even beside a good one), an empty prompt and a prompt too long for
+    the position limit are errors naming the prompts file and line, before sampling, writing nothing."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n' + line + "\n")
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:2:", needle)
+
+
+@pytest.mark.parametrize("key", S.RECORD_KEYS)
+def test_record_key_of_wrong_type_says_so(tmp_path, capsys, key):
+    """A record key that is present but not a list is reported as such, not as missing."""
+    records = _good_records(tmp_path, json.dumps(GOOD_RECORD | {key: "x"}))
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", f"key {key!r} must be a list, got str")
