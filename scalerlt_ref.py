@@ -20,12 +20,10 @@ by shape), and a deferred rollout, a dense one and a teacher-forced learner batc
 Two fixes, both here: `numerics="invariant"` computes every row alone (slow; how the tests prove the
 algorithm), and the replay, which re-executes the *same* calls and so gets the *same* bits.
 
-Reading order: config -> numerics -> model -> exit rule -> KV cache and calls -> the policy -> rollouts ->
-learner log-probs -> GRPO. Then a banner, and below it the tooling (files and checkpoints, data and rewards,
-the warm start, the trainer, the oracle, the bench, the commands); nothing above the banner needs it.
-Simplified on purpose: one process runs one model; the KV cache is a dense (B, KVH, T, D) tensor per loop and
-layer; sampling runs on the CPU from each sequence's own generator; no sliding window, RoPE scaling or
-attention bias (Ouro-1.4B uses none of them).
+Reading order: config, numerics, model, exit rule, KV cache and calls, the policy, rollouts, learner
+log-probs, GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose:
+one process, one model; a dense KV cache; sampling on the CPU; no sliding window, RoPE scaling or attention
+bias (Ouro-1.4B uses none of them).
 
 Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L
 layers, C width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a
@@ -58,9 +56,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# ---------------------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------------------
+# --- Config -----------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -91,9 +87,7 @@ class Config:
             self.head_dim = self.hidden_size // max(1, self.num_attention_heads)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Numerics
-# ---------------------------------------------------------------------------------------------------
+# --- Numerics ---------------------------------------------------------------------------------------
 
 NUMERICS = ("fast", "invariant")
 
@@ -145,9 +139,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Model (HF Ouro's module names, so state_dict keys are the checkpoint's tensor names)
-# ---------------------------------------------------------------------------------------------------
+# --- Model (HF Ouro's module names, so state_dict keys are the checkpoint's tensor names) -----------
 
 
 class RMSNorm(nn.Module):
@@ -259,9 +251,8 @@ class LoopedLM(nn.Module):
         h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
     then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
     lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
-    Checkpoints: `LoopedLM.from_pretrained(path, dtype=, device=)` and `model.save_pretrained(path)`, HF's
-    names, are the loader's functions attached to this class below the banner ("Config files and
-    checkpoints"), so that this section needs nothing from there.
+    `LoopedLM.from_pretrained(path, dtype=, device=)` and `model.save_pretrained(path)` (HF's names) are the
+    checkpoint functions below the banner, attached to this class there so that it needs nothing from there.
     """
 
     def __init__(self, cfg: Config, *, seed: int = 0):
@@ -339,9 +330,7 @@ class LoopedLM(nn.Module):
         return LoopOutputs(torch.stack(logits), torch.stack(gates))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Exit rule (and, beside it, the exit distribution that Ouro's training objective uses)
-# ---------------------------------------------------------------------------------------------------
+# --- Exit rule --------------------------------------------------------------------------------------
 
 # Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the replay
 # and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's). "survival"
@@ -370,16 +359,13 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
     lam_i = sigmoid(g_i); p_i = lam_i * remaining and remaining *= 1 - lam_i for i < R, p_R = remaining;
     CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
-    NOTE: three traps, each measured on this CPU build of torch. (1) bfloat16 cumsum accumulates in
-    float32 and rounds only its outputs (rounding every partial sum gave other bits at 33% of random
-    4-loop positions), so this calls torch.cumsum rather than adding in a loop. (2) HF's sigmoid runs on
-    one loop's gates of all positions at once; in float32 and float64 torch's vector kernel gives some
-    elements other bits than its scalar path (the tail of a call under 32 floats, or a lone element). We
-    take the scalar path for every element (`sigmoid_elementwise`): HF's bits whenever its call has
-    fewer than 32 gates (decoding fewer than 32 sequences), and independent of how the reference
-    batches; otherwise at most an ulp of lam apart. bfloat16 showed no difference between the paths.
-    (3) p_1..p_j do not depend on loops after j (p_R only on earlier ones), and the cumsum runs in order,
-    so a prefix of gates gives a prefix of the CDF: the rule can decide after every loop.
+    NOTE: three traps, measured on this CPU build. (1) bfloat16 cumsum accumulates in float32 and rounds only
+    its outputs (rounding each partial sum changed 33% of random 4-loop CDFs): so torch.cumsum, not a loop.
+    (2) In float32/float64 torch's vector sigmoid gives some elements other bits than its scalar path (a
+    call's tail under 32 floats, a lone element); `sigmoid_elementwise` takes the scalar path always: HF's
+    bits when its call has under 32 gates, and independent of batching (bfloat16: no difference). (3) p_1..p_j
+    do not depend on later loops and the cumsum runs in order: a prefix of gates gives a prefix of the CDF,
+    so the rule can decide after every loop.
     """
     lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
@@ -399,10 +385,9 @@ def exit_loops(
     """The exit rule (Contract §3) for n positions at once, given the gate logits of their first j <= R
     loops: gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
 
-    The exit loop is the first r >= min_loops with CDF_r >= tau (R when none: a threshold above 1 always
-    runs all loops); tau None (a config without a threshold) always exits at R. Every operation is
-    elementwise across positions, so a position's decision has the same bits alone (`exit_loop`, what the
-    rollout asks after every loop) as among others (the oracle).
+    The exit loop is the first r >= min_loops with CDF_r >= tau (R when none); tau None always exits at R.
+    Every operation is elementwise across positions: a position's decision has the same bits alone
+    (`exit_loop`, what the rollout asks after every loop) as among others (the oracle).
     NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
     float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
     model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
@@ -428,18 +413,6 @@ def exit_loop(
     return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
 
 
-def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
-
-    p_r = lam_r * prod_{j<r}(1 - lam_j) for r < R, and p_R takes the rest. The rule above exits where the
-    CDF of this distribution first reaches the threshold; Ouro's objective (the warm start) weights each
-    loop's loss by p_r.
-    """
-    lam = torch.sigmoid(gate_logits.float())  # (R, ...)
-    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
-    return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
-
-
 # Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above, a
 # deterministic function of the gates: the policy's log-prob of a step is the token's alone, and the gate
 # learns only in the warm start. "sampled" draws the exit loop from the exit distribution itself, so the exit
@@ -457,8 +430,8 @@ def sample_exit(g: torch.Tensor, r: int, R: int, min_loops: int, gen: torch.Gene
     as the exit rule computes it. So the exit loop is drawn from
         p(r) = lam_r prod_{min_loops <= j < r} (1 - lam_j)   (min_loops <= r < R),
         p(R) = prod_{min_loops <= j < R} (1 - lam_j),         p(r) = 0 for r < min_loops:
-    Ouro's exit distribution (`exit_distribution`) conditioned on exiting at min_loops or later (the gates
-    of loops before min_loops do not matter). With min_loops = 1 it is Ouro's p(r) itself.
+    Ouro's exit distribution (its training objective weights loop r's loss by p(r)) conditioned on exiting
+    at min_loops or later (the gates of loops before min_loops do not matter); with min_loops = 1, p(r) itself.
     """
     if r < min_loops:
         return None
@@ -493,9 +466,7 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
     return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
 
 
-# ---------------------------------------------------------------------------------------------------
-# KV cache and calls (a plain object with a loop axis; the caller owns positions)
-# ---------------------------------------------------------------------------------------------------
+# --- KV cache and calls (a plain object with a loop axis; the caller owns positions) ----------------
 
 
 @dataclass
@@ -526,11 +497,8 @@ class LoopCache:
 
 @dataclass
 class Call:
-    """One pass of some rows (sequence, position) through all L layers of one loop.
-
-    `readout` lists the rows (a subset, in row order) whose loop output is read out in this call: the
-    positions that exit at this loop and whose next token is sampled.
-    """
+    """One pass of some rows (sequence, position) through all L layers of one loop. `readout`: the rows (in
+    row order) read out in this call, the positions that exit at this loop and sample their next token."""
 
     loop: int
     rows: list[tuple[int, int]]
@@ -579,9 +547,7 @@ class ExactKV:
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
-# ---------------------------------------------------------------------------------------------------
-# The policy: one value for its settings; log-probabilities, the readout step, sampling
-# ---------------------------------------------------------------------------------------------------
+# --- The policy: one value for its settings; log-probabilities, the readout step, sampling ----------
 
 MODES = ("dense", "deferred")
 
@@ -604,18 +570,16 @@ class Policy:
 
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
-        bad = next((name for name, allowed in choices.items() if getattr(self, name) not in allowed), None)
-        if bad:
-            raise ValueError(
-                f"{bad.replace('_', ' ')} must be one of {tuple(choices[bad])}, got {getattr(self, bad)!r}"
-            )
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {getattr(self, name)!r}"
+                )
         if not (0 <= self.temperature < math.inf and self.min_loops >= 1 and math.isfinite(self.exit_threshold or 0)):
             raise ValueError(f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold or None: {self}")
-        if self.exit_policy == "sampled" and self.exit_rule != "survival":  # NOTE: "hf" is a threshold rule
-            raise ValueError(
-                f"exit rule {self.exit_rule!r} is a threshold rule; sampled exits draw with lam in float32"
-            )
-        if self.kv == "last_exited" and self.mode != "deferred":
+        if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):  # NOTE: hf is a threshold rule's arithmetic
+            raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam in float32")
+        if (self.kv, self.mode) == ("last_exited", "dense"):
             raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit)")
 
 
@@ -672,9 +636,7 @@ def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -
     return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Rollouts
-# ---------------------------------------------------------------------------------------------------
+# --- Rollouts ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -686,39 +648,9 @@ class Schedule:
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
 
-    def to_json(self) -> str:
-        calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in self.calls]
-        return json.dumps(dataclasses.asdict(self.policy) | {"dtype": self.dtype, "loops": self.loops, "calls": calls})
-
-    @classmethod
-    def from_json(cls, text: str) -> "Schedule":
-        """A schedule written by `to_json`; keys that older versions did not write read as the defaults."""
-        d = json.loads(text)
-        calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
-        for c in calls:  # NOTE: execute_call trusts this; a schedule from a file could lie
-            if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
-                raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")
-        policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
-        return cls(calls, policy, d["dtype"], d["loops"])
-
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
         return sum(len(c.rows) for c in self.calls)
-
-    def grid(self, seq: int = 0) -> str:
-        """A text picture for readers: a line per position, a column per loop, each cell the number of
-        the call that computed it ('·' where that loop of that position was never computed)."""
-        cells = {(p, c.loop): i for i, c in enumerate(self.calls) for b, p in c.rows if b == seq}
-        if not cells:
-            return f"(sequence {seq} has no rows)"
-        w = max(3, len(str(len(self.calls) - 1))) + 1
-        lines = [
-            f"{self.policy.mode}, sequence {seq}",
-            "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, self.loops + 1)),
-        ]
-        for p in range(max(p for p, _ in cells) + 1):
-            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, self.loops + 1)))
-        return "\n".join(lines)
 
 
 @dataclass
@@ -732,11 +664,7 @@ class Rollout:
     mask: torch.Tensor  # (B, N) bool
     schedule: Schedule | None  # None for records read from a file (the oracle teacher-forces them)
     policy: Policy  # the policy that sampled (the schedule's own)
-    exit_logprobs: torch.Tensor | None = None  # (B, N) like logprobs: log p(exit = e) per token; 0 for "threshold"
-
-    def __post_init__(self):
-        if self.exit_logprobs is None:  # the threshold policy's exits are deterministic: log p = 0
-            self.exit_logprobs = torch.zeros_like(self.logprobs)
+    exit_logprobs: torch.Tensor  # (B, N) like logprobs: log p(exit = e) per token; 0 for "threshold" (not drawn)
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -750,21 +678,6 @@ class Rollout:
 def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tensor:
     """exit_loops (B lists) -> (B, N) long, padded with 0 (no token)."""
     return torch.tensor([e + [0] * (N - len(e)) for e in exit_loops], dtype=torch.long, device=device)
-
-
-def check_prompts(model: LoopedLM, prompts: list[list[int]], policy: Policy, max_new_tokens: int) -> None:
-    """What `rollout` needs of its inputs beyond a valid policy, refused naming the argument or the prompt."""
-    cfg = model.config
-    if not 1 <= policy.min_loops <= cfg.total_ut_steps or max_new_tokens < 1:
-        raise ValueError(f"need min_loops in 1..{cfg.total_ut_steps} and max_new_tokens >= 1")
-    for b, prompt in enumerate(prompts):
-        if not prompt or len(prompt) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {b}: {len(prompt)} tokens + {max_new_tokens} new: a prompt must be non-empty and fit the "
-                f"position limit max_position_embeddings={cfg.max_position_embeddings}"
-            )
-        if not all(0 <= x < cfg.vocab_size for x in prompt):
-            raise ValueError(f"prompt {b}: a token id is outside the vocabulary 0..{cfg.vocab_size - 1}")
 
 
 @torch.no_grad()
@@ -791,7 +704,7 @@ def rollout(
 
     One sequence, a 3-token prompt (positions 0-2), R = 3, four new tokens whose positions exit at
     loops 1, 3, 1, 2. Each cell is the number of the call that computed that loop of that position
-    (`Schedule.grid`; README, "Dense and deferred, drawn", has the command that prints it); '·' was never
+    (`schedule_grid`, below the banner; README, "Dense and deferred, drawn", prints it); '·' was never
     computed:
 
         dense                      deferred
@@ -807,21 +720,20 @@ def rollout(
     numerics). NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V
     of earlier positions, which by the same rule were brought up to loop r no later than in this call.
 
-    Returns a Rollout: completions and exit_loops (lists), logprobs (B, N) float32 (float64 for a float64
-    model), mask (B, N) bool, the schedule and the policy. Sequence b draws from its own generator seeded
-    by (seed, sequence_ids[b]) (default: b). The threshold is the policy's, else the config's (None there:
-    every position exits at R). The sampled exit policy draws each exit instead (`sample_exit`) and records
-    exit_logprobs (B, N), log p(exit = e) of each token (`exit_logprob`).
+    Returns a Rollout (logprobs (B, N) float32, float64 for a float64 model). Sequence b draws from its own
+    generator seeded by (seed, sequence_ids[b]) (default: b). The threshold is the policy's, else the config's
+    (None there: every position exits at R); sampled exits are drawn instead (`sample_exit`), and their
+    log-probs recorded (`exit_logprob`).
     NOTE: a sequence's generator serves its exit draws and its token draws in one fixed order: each step,
     one uniform per loop that decides (loop order, newest position), then its token's. Dense and deferred
     decide the newest position's loops in the same order, so they draw the same numbers.
     """
-    check_prompts(model, prompts, policy, max_new_tokens)
     R, B, N, numerics = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics
     tau = model.config.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     sampled, kv = policy.exit_policy == "sampled", KV_POLICIES[policy.kv]
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
     T = max(len(prompt) for prompt in prompts) + N
+    assert all(prompts) and T <= model.config.max_position_embeddings and policy.min_loops <= R, "see `read_prompts`"
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T)
     cache = LoopCache.empty(model, B, T)
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
@@ -884,30 +796,14 @@ def rollout(
             else:
                 tokens[b, newest[b] + 1] = completions[b][-1]
     mask = torch.tensor([[i < len(c) for i in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
-    exit_lp = (
-        exit_logprob(token_gates, _exit_tensor(exits, N, model.device), policy.min_loops).cpu() if sampled else None
-    )
+    exit_lp = torch.zeros_like(logprobs)  # (B, N) the threshold policy's exits are not drawn: log p = 0
+    if sampled:  # 6) the exits' log-probs, from the gates that decided them, as the replay computes them
+        exit_lp = exit_logprob(token_gates, _exit_tensor(exits, N, model.device), policy.min_loops).cpu()
     schedule = Schedule(calls, policy, str(model.dtype), R)
     return Rollout([list(prompt) for prompt in prompts], completions, exits, logprobs, mask, schedule, policy, exit_lp)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Learner log-probabilities
-# ---------------------------------------------------------------------------------------------------
-
-
-def _collect_exit_gates(model, call, h, first, exit_loops, token_gates, numerics) -> torch.Tensor:
-    """The gate logits of the call's deciding rows, written into token_gates (B, N, R) (out of place, so
-    gradients flow). NOTE: `deciding_rows` gives the rows the rollout asked for a decision, in the same order,
-    so `model.gate_logits(h[deciding])` here is the rollout's own computation: same rows, shape and bits."""
-    deciding = deciding_rows(call, first, exit_loops)
-    if not deciding:
-        return token_gates
-    g = model.gate_logits(h[deciding], numerics)  # (len(deciding),)
-    b = torch.tensor([call.rows[i][0] for i in deciding])
-    tok_index = torch.tensor([call.rows[i][1] - first[call.rows[i][0]] for i in deciding])
-    index = (b, tok_index, torch.full((len(deciding),), call.loop - 1))
-    return token_gates.index_put(tuple(x.to(token_gates.device) for x in index), g)
+# --- Learner log-probabilities ----------------------------------------------------------------------
 
 
 def execute_schedule(
@@ -921,11 +817,10 @@ def execute_schedule(
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
-    Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded completion
-    tokens' log-probs, read out where the calls say, and (sampled exits) each recorded exit loop's
-    log-prob `exit_logprob`, from the gates of the token's position at loops 1..e (zeros for the threshold
-    policy). `on_call(call, h)`, if given, sees every call's output; `on_readout(call, logp)` sees the whole
-    (n_out, V) policy of the call's readout rows (the oracle reads both).
+    Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded tokens' log-probs
+    read out where the calls say, and (sampled exits) `exit_logprob` of each recorded exit loop from the gates
+    of its deciding rows (zeros for the threshold policy). `on_call(call, h)` sees every call's output and
+    `on_readout(call, logp)` the (n_out, V) policy of its readout rows (the oracle reads both).
     """
     tokens = ro.tokens(model.device)  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
@@ -933,14 +828,19 @@ def execute_schedule(
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
     first = [len(prompt) - 1 for prompt in ro.prompts]
+    first_t = torch.tensor(first, device=model.device)  # (B,)
     sampled = policy.exit_policy == "sampled"
     token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
     for call in calls:
         h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        if sampled:
-            token_gates = _collect_exit_gates(model, call, h, first, ro.exit_loops, token_gates, numerics)
+        deciding = deciding_rows(call, first, ro.exit_loops) if sampled else []
+        if deciding:  # NOTE: the rows the rollout asked for a decision, in its order: its gates' very bits
+            b = torch.tensor([call.rows[i][0] for i in deciding], device=model.device)  # (n_dec,)
+            tok_index = torch.tensor([call.rows[i][1] for i in deciding], device=model.device) - first_t[b]
+            loop = torch.full_like(b, call.loop - 1)
+            token_gates = token_gates.index_put((b, tok_index, loop), model.gate_logits(h[deciding], numerics))
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy.temperature, numerics)  # (n_out, V)
@@ -948,7 +848,7 @@ def execute_schedule(
             on_readout(call, logp)
         b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
         p = torch.tensor([p for _, p in call.readout], device=model.device)  # (n_out,)
-        tok_index = p - torch.tensor([first[i] for i in b.tolist()], device=model.device)  # in 0..N-1
+        tok_index = p - first_t[b]  # in 0..N-1
         out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
         kv.after_readout(cache, call, first)
     if not sampled:
@@ -1031,9 +931,7 @@ def learner_logprobs(
     return joint_logprobs(ro, tok, ext), joint_logprobs(ro, tf_tok, tf_exit)
 
 
-# ---------------------------------------------------------------------------------------------------
-# GRPO
-# ---------------------------------------------------------------------------------------------------
+# --- GRPO -------------------------------------------------------------------------------------------
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -1080,7 +978,6 @@ def grpo_loss(
     grpo: GRPOConfig = GRPOConfig(),
     *,
     ref_logp: torch.Tensor | None = None,
-    max_new_tokens: int | None = None,
     normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
@@ -1090,7 +987,7 @@ def grpo_loss(
     aggregation are `grpo`'s. Aggregation over masked tokens:
     - "token_mean" (DAPO): sum over all tokens / number of tokens;
     - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
-    - "dr_grpo" (Dr. GRPO): sum / (B * max_new_tokens), a constant normaliser.
+    - "dr_grpo" (Dr. GRPO): sum / (B * N), N = max_new_tokens: a constant normaliser.
     Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
     higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
     log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
@@ -1113,8 +1010,7 @@ def grpo_loss(
         seq_means = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
         loss = seq_means.sum() / (normaliser if normaliser is not None else seq_means.numel())
     else:  # "dr_grpo"
-        N = max_new_tokens if max_new_tokens is not None else mask.shape[1]
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.shape[0] * N)
+        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.numel())  # B * N
     with torch.no_grad():
         clipped = ((ratio < 1 - grpo.epsilon_low) & (a < 0)) | ((ratio > 1 + grpo.epsilon_high) & (a > 0))  # (B, N)
         stats["clip_ratio"] = float((clipped.float() * m).sum() / m.sum().clamp_min(1))
@@ -1174,13 +1070,6 @@ def _global_count(mask: torch.Tensor, loss_agg: str, all_reduce) -> float | None
     return float(all_reduce(count.float().to(mask.device)))
 
 
-def _all_reduce_grads(model: LoopedLM, all_reduce) -> None:
-    if all_reduce is not None:
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad = all_reduce(param.grad)
-
-
 def grpo_update(
     model: LoopedLM,
     opt: torch.optim.Optimizer,
@@ -1223,7 +1112,8 @@ def grpo_update(
         _finite_or_stop(torch.isfinite(loss), f"GRPO loss is {loss.item()} at iteration {it + 1}", model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        _all_reduce_grads(model, all_reduce)
+        for param in model.parameters() if all_reduce is not None else []:  # data parallel: sum the gradients
+            param.grad = None if param.grad is None else all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
         _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm is {float(grad_norm)} at iteration {it + 1}", model)
         opt.step()
@@ -1246,9 +1136,7 @@ def grpo_update(
 # start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it.
 # ===================================================================================================
 
-# ---------------------------------------------------------------------------------------------------
-# Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names)
-# ---------------------------------------------------------------------------------------------------
+# --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
 
 # Limits on JSON input, checked before parsing: deeper nesting overflows Python's stack inside json,
 # and longer numbers hit Python's 4300-digit int conversion limit or overflow a float far from their line.
@@ -1785,9 +1673,7 @@ Config.from_dict = staticmethod(config_from_dict)
 Config.from_json = staticmethod(load_config)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers
-# ---------------------------------------------------------------------------------------------------
+# --- Tokenizers -------------------------------------------------------------------------------------
 
 
 class ByteTokenizer:
@@ -1828,9 +1714,7 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Data and rewards
-# ---------------------------------------------------------------------------------------------------
+# --- Data and rewards -------------------------------------------------------------------------------
 
 _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+"
 
@@ -2001,16 +1885,26 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
     return tok.encode(format_prompt(problem["question"])), tok.encode(problem["answer"]) + [tok.eos_id]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Warm start and evaluation
-# ---------------------------------------------------------------------------------------------------
+# --- Warm start and evaluation ----------------------------------------------------------------------
+
+
+def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
+    """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
+
+    p_r = lam_r * prod_{j<r}(1 - lam_j) for r < R, and p_R takes the rest. The rule above exits where the
+    CDF of this distribution first reaches the threshold; Ouro's objective (the warm start) weights each
+    loop's loss by p_r.
+    """
+    lam = torch.sigmoid(gate_logits.float())  # (R, ...)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
+    return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
     """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
 
     out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
-    bool. p(r|x) is the exit distribution of the gates (`exit_distribution`, beside the exit rule).
+    bool. p(r|x) is the exit distribution of the gates (`exit_distribution`, above).
     The entropy bonus keeps the gate from collapsing onto one depth.
     """
     R = out.logits.shape[0]
@@ -2113,9 +2007,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / len(d))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Flags: each command's flags are the fields of one dataclass; one builder, one checker
-# ---------------------------------------------------------------------------------------------------
+# --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
@@ -2225,9 +2117,7 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
         raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
 
 
-# ---------------------------------------------------------------------------------------------------
-# Hardware: is bfloat16 fast here? (bench and train ask once, at start-up)
-# ---------------------------------------------------------------------------------------------------
+# --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
 
 BF16_SLOW = 3.0  # warn when a bfloat16 matmul is more than this many times slower than a float32 one
 
@@ -2289,9 +2179,7 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
     )
 
 
-# ---------------------------------------------------------------------------------------------------
-# Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun
-# ---------------------------------------------------------------------------------------------------
+# --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ------
 
 REWARDS = ("strict", "lenient", "digits")
 
@@ -2675,11 +2563,45 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     return {"model": model, "tokenizer": tok, "history": history}
 
 
-# ---------------------------------------------------------------------------------------------------
-# The oracle: reading rollout records (written by `rollout_records`, under Trainer) and verifying them
-# ---------------------------------------------------------------------------------------------------
+# --- The oracle: reading rollout records (written by `rollout_records`, under Trainer) and verifying them ---
 
 RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
+
+
+def schedule_to_json(schedule: Schedule) -> str:
+    """A schedule as one JSON object: its policy's fields, dtype, loops and calls (loop, rows, readout)."""
+    calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in schedule.calls]
+    return json.dumps(
+        dataclasses.asdict(schedule.policy) | {"dtype": schedule.dtype, "loops": schedule.loops, "calls": calls}
+    )
+
+
+def schedule_from_json(text: str) -> Schedule:
+    """A schedule written by `schedule_to_json`; keys that older versions did not write read as the defaults.
+    Its calls are checked here (`execute_call` trusts them): rows sorted, unique, the readout among them."""
+    d = json.loads(text)
+    calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
+    for c in calls:
+        if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
+            raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")
+    policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
+    return Schedule(calls, policy, d["dtype"], d["loops"])
+
+
+def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
+    """A text picture for readers (as in `rollout`'s docstring): a line per position, a column per loop, each
+    cell the number of the call that computed it ('·' where that loop of that position was never computed)."""
+    cells = {(p, c.loop): i for i, c in enumerate(schedule.calls) for b, p in c.rows if b == seq}
+    if not cells:
+        return f"(sequence {seq} has no rows)"
+    w, R = max(3, len(str(len(schedule.calls) - 1))) + 1, schedule.loops
+    lines = [
+        f"{schedule.policy.mode}, sequence {seq}",
+        "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, R + 1)),
+    ]
+    for p in range(max(p for p, _ in cells) + 1):
+        lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, R + 1)))
+    return "\n".join(lines)
 
 
 # The oracle's view of the exit rule: the CDF values and how far each loop was from exiting, for reports.
@@ -3474,9 +3396,7 @@ def cmd_rollout(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------
-# Benchmark
-# ---------------------------------------------------------------------------------------------------
+# --- Benchmark --------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -3843,9 +3763,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------
-# Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them
-# ---------------------------------------------------------------------------------------------------
+# --- Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them ---
 
 
 @dataclass
