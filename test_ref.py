@@ -689,15 +689,19 @@ def test_threshold_just_above_one_runs_all_loops():
 
 
 @examples(25)
-@given(gates=gate_vectors, threshold=st.floats(0.0, 1.2), dtype=float_dtypes, data=st.data())
-def test_exit_is_undecided_until_it_is_decided(gates, threshold, dtype, data):
-    """The rollout asks after every loop; prefixes before the exit must say None, never a wrong loop."""
+@given(gates=gate_vectors, threshold=st.one_of(st.none(), st.floats(0.0, 1.2)), dtype=float_dtypes, data=st.data())
+@pytest.mark.parametrize("rule", S.EXIT_RULES)
+def test_exit_is_undecided_until_it_is_decided(gates, threshold, dtype, data, rule):
+    """The rollout asks after every loop (deferred ones too): under both rules a prefix of the gates says
+    None before the exit loop, never a wrong loop, and the exit loop from it on (None for the threshold:
+    always loop R)."""
     R = len(gates)
     min_loops = data.draw(st.integers(1, R))
     g = torch.tensor(gates, dtype=dtype)  # (R,)
-    e = S.exit_loop(g, R, threshold, min_loops)
+    e = S.exit_loop(g, R, threshold, min_loops, rule)
+    assert min_loops <= e <= R and (threshold is not None or e == R)
     for r in range(1, R + 1):
-        assert S.exit_loop(g[:r], R, threshold, min_loops) == (None if r < e else e), (r, e)
+        assert S.exit_loop(g[:r], R, threshold, min_loops, rule) == (None if r < e else e), (r, e)
 
 
 # --- the hf rule: Hugging Face's arithmetic --------------------------------------------------------
@@ -765,20 +769,6 @@ def test_hf_rule_is_hf_arithmetic_bitwise(grid):
     for i, (b, t) in enumerate((b, t) for b in range(B) for t in range(T)):
         assert S.exit_cdf(per_position[i], R, "hf") == expect_cdf[b, t].tolist(), (b, t)
         assert S.exit_loop(per_position[i], R, threshold, rule="hf") == int(expect_exit[b, t]), (b, t, threshold)
-
-
-@examples(25)
-@given(gates=gate_vectors, threshold=st.one_of(st.none(), st.floats(0.0, 1.2)), dtype=float_dtypes, data=st.data())
-def test_both_rules_decide_after_each_loop(gates, threshold, dtype, data):
-    """Deferred rollouts ask the rule after every loop: under both rules a prefix of the gates says None
-    before the exit loop and the exit loop from it on (None for the threshold: always loop R)."""
-    R, rule = len(gates), data.draw(st.sampled_from(S.EXIT_RULES))
-    min_loops = data.draw(st.integers(1, R))
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    e = S.exit_loop(g, R, threshold, min_loops, rule)
-    assert min_loops <= e <= R and (threshold is not None or e == R)
-    for r in range(1, R + 1):
-        assert S.exit_loop(g[:r], R, threshold, min_loops, rule) == (None if r < e else e), (r, e)
 
 
 @examples(40)
@@ -954,44 +944,28 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
 
 @examples(25)
 @given(case=cases(), mode=modes, dtype=dtypes)
-def test_replay_is_bitwise(case, mode, dtype):
-    """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1."""
+@pytest.mark.parametrize(
+    "exit_policy,rule", [("threshold", "survival"), ("threshold", "hf"), ("sampled", "survival")]
+)  # sampled exits need no threshold arithmetic, and the hf rule is only that: the two do not combine
+def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
+    """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1, for the
+    joint policy too: with sampled exits a step's log-prob has two parts and the replay reproduces both
+    bit for bit, also from a schedule read back from JSON, under either exit rule; the rule, the exit
+    policy and min_loops are data that the rollout records and the replay and the learner carry."""
     model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics="fast")
-    replay = S.replay_logprobs(model, ro)
+    ro = case.rollout(model, mode=mode, numerics="fast", exit_rule=rule, exit_policy=exit_policy)
     assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
-    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes)
-def test_sampled_exits_replay_bitwise(case, mode, dtype):
-    """With sampled exits a step's log-prob has two parts, and the replay reproduces both bit for bit (also
-    from a schedule read back from JSON): GRPO's first ratio is exactly 1 for the joint policy too."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_policy="sampled")
-    assert ro.exit_policy == "sampled" and ro.schedule.exit_policy == "sampled" and ro.min_loops == case.min_loops
+    assert [len(e) for e in ro.exit_loops] == ro.mask.sum(1).tolist()
+    assert ro.exit_rule == rule and ro.schedule.exit_rule == rule
+    assert ro.exit_policy == exit_policy and ro.schedule.exit_policy == exit_policy and ro.min_loops == case.min_loops
     assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
     assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
     schedule = S.Schedule.from_json(ro.schedule.to_json())
-    assert schedule.exit_policy == "sampled" and schedule.min_loops == case.min_loops
+    assert schedule.exit_rule == rule and schedule.exit_policy == exit_policy and schedule.min_loops == case.min_loops
     for r in (ro, dataclasses.replace(ro, schedule=schedule)):
         tok, ext = S.replay_logprobs(model, r, with_exits=True)
         assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
         assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes, rule=st.sampled_from(S.EXIT_RULES))
-def test_replay_is_bitwise_under_both_rules(case, mode, dtype, rule):
-    """The exit rule is data: the rollout records it, the replay and the learner carry it, and the replay
-    reproduces the log-probs bit for bit under either rule."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_rule=rule)
-    assert ro.exit_rule == rule and ro.schedule.exit_rule == rule
-    assert S.Schedule.from_json(ro.schedule.to_json()).exit_rule == rule
-    replay = S.replay_logprobs(model, ro)
-    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
     learner = S.learner_logprobs(model, ro)
     assert torch.equal(learner.detach().cpu(), ro.logprobs)
 
@@ -1033,36 +1007,23 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
 
 @examples(25)
 @given(case=cases(), dtype=dtypes)
-def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
-    """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits."""
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_policy):
+    """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits. With
+    sampled exits dense and deferred make the same draws in the same order, so tokens, exits and both
+    log-probs agree bit for bit, and so does the teacher-forced forward (both parts)."""
     model = case.model(dtype)
-    dense = case.rollout(model, mode="dense", numerics="invariant")
-    deferred = case.rollout(model, mode="deferred", numerics="invariant")
+    dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy=exit_policy)
+    deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy=exit_policy)
     assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
     assert torch.equal(dense.mask, deferred.mask)
     d = maxdiff(dense.logprobs, deferred.logprobs)
     assert torch.equal(dense.logprobs, deferred.logprobs), f"dense vs deferred: max |diff| = {d:.3e}"
-    tf = S.teacher_forced_logprobs(model, dense, numerics="invariant").detach()
-    assert not bool(tf[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
-    assert torch.equal(tf, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tf, dense.logprobs):.3e}"
-
-
-@examples(20)
-@given(case=cases(), dtype=dtypes)
-def test_sampled_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
-    """Dense and deferred stay the same policy with sampled exits: they make the same draws in the same
-    order, so under invariant numerics tokens, exits and both log-probs agree bit for bit, and so does the
-    teacher-forced forward (both parts)."""
-    model = case.model(dtype)
-    dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy="sampled")
-    deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy="sampled")
-    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
-    assert torch.equal(dense.logprobs, deferred.logprobs), maxdiff(dense.logprobs, deferred.logprobs)
-    assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), maxdiff(
-        dense.exit_logprobs, deferred.exit_logprobs
-    )
+    d = maxdiff(dense.exit_logprobs, deferred.exit_logprobs)
+    assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), f"exits, dense vs deferred: max |diff| = {d:.3e}"
     tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
-    assert torch.equal(tok, dense.logprobs), f"tokens: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
+    assert not bool(tok[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
+    assert torch.equal(tok, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
     assert torch.equal(ext, dense.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, dense.exit_logprobs):.3e}"
 
 
@@ -1141,42 +1102,20 @@ def test_sampling_follows_the_policy(logits, temperature, seed):
 
 @examples(25)
 @given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
-def test_sequence_does_not_depend_on_its_batch(case, mode, data):
-    """Per-sequence generators + invariant numerics: batching and sharding must not change a sequence."""
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_sequence_does_not_depend_on_its_batch(case, mode, data, exit_policy):
+    """Per-sequence generators + invariant numerics: batching and sharding must not change a sequence. One
+    generator per sequence serves its exit draws (sampled exits) and its token draws in a fixed order: a
+    sequence sampled alone is the one sampled in a batch, exits and both log-probs included."""
     model = case.model()
     i = data.draw(st.integers(0, len(case.prompts) - 1))
-    batch = case.rollout(model, mode=mode, numerics="invariant")
-    alone = S.rollout(
-        model,
-        [case.prompts[i]],
-        mode=mode,
-        numerics="invariant",
-        sequence_ids=[i],
-        max_new_tokens=case.max_new_tokens,
-        temperature=case.temperature,
-        exit_threshold=case.threshold,
-        min_loops=case.min_loops,
-        seed=case.seed,
-    )
+    batch = case.rollout(model, mode=mode, numerics="invariant", exit_policy=exit_policy)
+    alone = dataclasses.replace(case, prompts=[case.prompts[i]])
+    alone = alone.rollout(model, mode=mode, numerics="invariant", exit_policy=exit_policy, sequence_ids=[i])
     assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
     d = maxdiff(alone.logprobs[0], batch.logprobs[i])
     assert torch.equal(alone.logprobs[0], batch.logprobs[i]), f"alone vs in a batch: max |diff| = {d:.3e}"
-
-
-@examples(20)
-@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
-def test_sampled_sequence_does_not_depend_on_its_batch(case, mode, data):
-    """One generator per sequence serves its exit draws and its token draws in a fixed order: a sequence
-    sampled alone (invariant numerics) is the one sampled in a batch, exits and log-probs included."""
-    model = case.model()
-    i = data.draw(st.integers(0, len(case.prompts) - 1))
-    batch = case.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled")
-    alone = dataclasses.replace(case, prompts=[case.prompts[i]])
-    alone = alone.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled", sequence_ids=[i])
-    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
-    assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i]) and torch.equal(
-        alone.logprobs[0], batch.logprobs[i]
-    )
+    assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i])
 
 
 @examples(25)
@@ -1280,43 +1219,30 @@ def _grads(model: S.LoopedLM, logp: torch.Tensor, weights: torch.Tensor, mask: t
 
 @examples(25)
 @given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
-def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
-    """The learner must be exactly on-policy in value and exactly the dense gradient, both at once."""
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics, exit_policy):
+    """The learner must be exactly on-policy in value and exactly the dense gradient, both at once; with
+    sampled exits the exit log-prob goes through the same hybrid, and the exit gate learns too."""
     model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics="fast")
-    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
-    hybrid = S.learner_logprobs(model, ro, numerics=tf_numerics)
-    assert torch.equal(hybrid.detach(), S.replay_logprobs(model, ro))
-    g_hybrid = _grads(model, hybrid, weights, ro.mask)
-    g_tf = _grads(model, S.teacher_forced_logprobs(model, ro, numerics=tf_numerics), weights, ro.mask)
-    # Exit loops are data (stop-gradient), so the exit gate is the one parameter with no gradient.
-    expected = {n for n, _ in model.named_parameters() if not n.startswith("model.early_exit_gate.")}
-    assert g_tf.keys() == expected, f"gradients on {sorted(g_tf)}, expected {sorted(expected)}"
-    assert g_hybrid.keys() == g_tf.keys()
-    for n in g_tf:
-        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
-def test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
-    """The exit log-prob goes through the same hybrid: value = the replay's bits, gradient = the
-    teacher-forced one bit for bit; and now the exit gate learns (whenever a loop draws: min_loops < R)."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_policy="sampled")
+    ro = case.rollout(model, mode=mode, numerics="fast", exit_policy=exit_policy)
     weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
     tok, ext = S.learner_logprobs(model, ro, numerics=tf_numerics, with_exits=True)
+    replay_tok, replay_ext = S.replay_logprobs(model, ro, with_exits=True)
+    assert torch.equal(tok.detach(), replay_tok) and torch.equal(ext.detach(), replay_ext)
     assert torch.equal(tok.detach(), ro.logprobs) and torch.equal(ext.detach(), ro.exit_logprobs)
     joint = S.joint_logprobs(ro, tok, ext)
-    assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)
+    assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)  # threshold: exit log-probs are 0
     g_hybrid = _grads(model, joint, weights, ro.mask)
     g_tf = _grads(
         model, S.joint_logprobs(ro, *S.teacher_forced_logprobs(model, ro, tf_numerics, True)), weights, ro.mask
     )
+    # Threshold exits are data (stop-gradient), so the exit gate is the one parameter with no gradient;
+    # sampled exits are actions, and log p(e) depends on the gates whenever a loop draws (min_loops < R).
     gate = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
-    learns = case.min_loops < case.cfg.total_ut_steps  # some loop draws, so log p(e) depends on the gates
+    learns = exit_policy == "sampled" and case.min_loops < case.cfg.total_ut_steps
     expected = {n for n, _ in model.named_parameters() if learns or n not in gate}
-    assert g_tf.keys() == expected == g_hybrid.keys(), f"gradients on {sorted(g_tf)}"
+    assert g_tf.keys() == expected, f"gradients on {sorted(g_tf)}, expected {sorted(expected)}"
+    assert g_hybrid.keys() == g_tf.keys()
     for n in g_tf:
         assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
 
