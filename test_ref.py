@@ -429,6 +429,7 @@ def test_sharded_checkpoint_loads_exactly(tmp_path):
     )
     assert not (tmp_path / "model.safetensors").exists()
     loaded = S.LoopedLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == sd.keys()
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, sd[k]), k
     idx = torch.tensor([[1, 2, 3, 4]])  # (1, 4)
@@ -808,6 +809,7 @@ def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
     ro = case.rollout(model, mode=mode, numerics="invariant", exit_rule="hf")
     gates = model.loop_outputs(ro.tokens(), "invariant").gate_logits  # (R, B, T)
     R = case.cfg.total_ut_steps
+    assert [len(e) for e in ro.exit_loops] == [case.max_new_tokens] * len(case.prompts)
     for b, (p, e) in enumerate(zip(ro.prompts, ro.exit_loops)):
         for k, ek in enumerate(e):
             assert ek == S.exit_loop(gates[:, b, len(p) - 1 + k], R, case.threshold, case.min_loops, "hf"), (b, k)
@@ -827,6 +829,7 @@ def test_no_threshold_means_exit_at_R(tmp_path):
         model.model.early_exit_gate.bias.fill_(30.0)  # saturated gates: a float32 CDF of 1.0 at loop 1
     for rule in S.EXIT_RULES:
         ro = S.rollout(model, [[1, 2], [3]], max_new_tokens=4, exit_rule=rule)
+        assert [len(seq) for seq in ro.exit_loops] == [4, 4]
         assert all(e == 3 for seq in ro.exit_loops for e in seq), (rule, ro.exit_loops)
 
 
@@ -903,6 +906,7 @@ def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
     prompt, n = [3, 1, 4], 4000
     ro = S.rollout(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
     gates = model.loop_outputs(torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
+    assert [len(e) for e in ro.exit_loops] == [1] * n
     counts = Counter(e[0] for e in ro.exit_loops)
     assert all(r >= min_loops for r in counts), counts
 
@@ -930,7 +934,8 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
     b = S.rollout(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
     assert a.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
     assert a.completions == b.completions and a.exit_loops == b.exit_loops and torch.equal(a.logprobs, b.logprobs)
-    assert all("exit_logprobs" not in r for r in S.rollout_records(a))
+    records = S.rollout_records(a)
+    assert len(records) == 2 and all("exit_logprobs" not in r for r in records)
     with pytest.raises(ValueError, match="threshold rule"):
         S.rollout(model, [[1]], exit_policy="sampled", exit_rule="hf")
     with pytest.raises(ValueError, match="exit policy"):
@@ -1070,6 +1075,7 @@ def test_float64_rollout_matches_full_recompute(case, mode, numerics):
     model = case.model(torch.float64)
     ro = case.rollout(model, mode=mode, numerics=numerics)
     R, t = case.cfg.total_ut_steps, case.temperature if case.temperature > 0 else 1.0
+    assert [len(c) for c in ro.completions] == [case.max_new_tokens] * len(case.prompts)
     worst = 0.0
     for b, prompt in enumerate(ro.prompts):
         for k, tok in enumerate(ro.completions[b]):
@@ -1127,6 +1133,7 @@ def test_eos_ends_sequence_and_masks_the_rest(case, mode):
     eos = full.completions[0][1]  # a token that really occurs
     ro = case.rollout(model, mode=mode, numerics="invariant", eos_id=eos)
     N = case.max_new_tokens
+    assert len(ro.completions) == len(full.completions) == len(case.prompts)
     for b, c in enumerate(full.completions):
         n = c.index(eos) + 1 if eos in c else len(c)
         assert ro.completions[b] == c[:n] and ro.exit_loops[b] == full.exit_loops[b][:n], b
@@ -1161,6 +1168,8 @@ def test_each_loop_of_each_position_computed_once_in_order(case, mode):
     loops_of: dict = {}
     for b, p, r in units:
         loops_of.setdefault((b, p), []).append(r)
+    # every prompt position and every sampled token but the last (nothing reads past it) is computed
+    assert len(loops_of) == sum(len(p) + len(c) - 1 for p, c in zip(ro.prompts, ro.completions)), len(loops_of)
     for (b, p), rs in loops_of.items():
         assert rs == list(range(1, len(rs) + 1)), f"sequence {b} position {p} computed loops {rs}"
 
@@ -1185,6 +1194,7 @@ def test_without_early_exits_deferred_is_dense(case, threshold):
     dense = case.rollout(model, mode="dense", exit_threshold=threshold, min_loops=1)
     deferred = case.rollout(model, mode="deferred", exit_threshold=threshold, min_loops=1)
     R = case.cfg.total_ut_steps
+    assert [len(es) for es in dense.exit_loops] == [case.max_new_tokens] * len(case.prompts)
     assert all(e == R for es in dense.exit_loops for e in es)
     calls = lambda ro: [(c.loop, list(c.rows), list(c.readout)) for c in ro.schedule.calls]  # noqa: E731
     assert calls(deferred) == calls(dense)
@@ -1195,6 +1205,7 @@ def test_without_early_exits_deferred_is_dense(case, threshold):
 def test_deferred_step_makes_e_new_calls(case):
     """The speed claim: a lone sequence's step costs e_new loop calls, not R."""
     ro = case.rollout(case.model(), mode="deferred", numerics="fast")
+    assert len(ro.exit_loops[0]) == case.max_new_tokens
     steps, current = [], []
     for c in ro.schedule.calls:
         current.append(c.loop)
@@ -1644,7 +1655,9 @@ def _gsm8k_lines(n):
 
 def test_scorers_on_real_gsm8k_lines():
     """Each gold answer scores 1 against itself (strict and lenient) and 0 against a changed number."""
-    for d in _gsm8k_lines(50):
+    lines = _gsm8k_lines(50)
+    assert len(lines) == 50
+    for d in lines:
         gold = S.gsm8k_answer(d["answer"])
         assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
         assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
@@ -1713,7 +1726,7 @@ def test_train_one_step_on_real_gsm8k(tmp_path):
 def test_builtin_problems_are_seeded_and_scored():
     """The built-in generator is reproducible from its seed and its gold answers score 1."""
     a, b = S.arithmetic_problems(30, seed=5), S.arithmetic_problems(30, seed=5)
-    assert a == b and a != S.arithmetic_problems(30, seed=6)
+    assert len(a) == 30 and a == b and a != S.arithmetic_problems(30, seed=6)
     assert all(S.gsm8k_score(p["answer"], p["answer"]) == 1.0 for p in a)
 
 
@@ -1815,17 +1828,25 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [1, 2, 3, 4]
 
 
-def test_resumed_sampled_run_equals_uninterrupted(tmp_path):
-    """--resume with sampled exits continues bit for bit: 3 steps straight = 2 steps, then resumed to 3."""
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_resumed_run_in_process_equals_uninterrupted(tmp_path, exit_policy):
+    """--resume continues bit for bit, in-process (the quick twin of the kill test above) and with sampled
+    exits (whose draws share the sequences' generators): 3 steps straight = 2 steps, then resumed to 3."""
     base = dict(config=TINY_JSON, prompts_per_step=2, group_size=2, max_new_tokens=4, reward="digits",
-                exit_policy="sampled", loop_cost=0.05, save_every=1)  # fmt: skip
+                exit_policy=exit_policy, loop_cost=0.05, save_every=1)  # fmt: skip
     straight = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "a"), **base), log=lambda *_: None)["model"]
     S.train(S.TrainConfig(steps=2, out=str(tmp_path / "b"), **base), log=lambda *_: None)
     resumed = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "b"), resume=True, **base), log=lambda *_: None)[
         "model"
     ]
-    for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
+    names = [n for n, _ in straight.named_parameters()]
+    assert names == [n for n, _ in resumed.named_parameters()] and names
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0)
+    assert any(not torch.equal(p, q) for p, q in zip(start.parameters(), straight.parameters())), (
+        "the run changed nothing: the test would be vacuous"
+    )
 
 
 def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys):
@@ -1964,10 +1985,11 @@ def test_two_processes_match_one(tmp_path):
     assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
     st_ = pytest.importorskip("safetensors.torch")
     a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
+    assert a.keys() == b.keys() and len(a) > 0 and a.keys() <= start.keys()
     for k in a:
         rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
         assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
-    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
     assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
 
 
@@ -1981,6 +2003,7 @@ def test_training_with_sampled_exits_is_exact_with_every_option(options):
     cfg = S.TrainConfig(config=TINY_JSON, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
                         reward="digits", exit_policy="sampled", loop_cost=0.1, **options)  # fmt: skip
     history = S.train(cfg, log=lambda *_: None)["history"]
+    assert [m["step"] for m in history] == [1, 2], history
     for m in history:
         assert m["exact/mismatched_tokens"] == 0 and m["exact/mismatched_exit_logprobs"] == 0, m
         assert m["sampling/sampling_logp_difference/max"] == 0.0 and m["exit/logprob_mean"] < 0, m
@@ -2067,7 +2090,7 @@ def test_verify_checks_sampled_exit_records(tmp_path, capsys):
     reference (exit loops are draws, not rule decisions): the reference's own records pass, a perturbed
     exit log-prob fails naming it, and an exit before --min-loops is a violation."""
     _, recs = _sampled_records(min_loops=2)
-    assert all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    assert len(recs) == 10 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(TINY | {"total_ut_steps": 3}))
     good = _write_records(tmp_path / "good.jsonl", recs)
@@ -2093,7 +2116,7 @@ def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
     rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)]
                  + ["--exit-policy", "sampled", "--max-new-tokens", "6"])  # fmt: skip
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rc == 0 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    assert rc == 0 and len(recs) == 2 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
     rc, s = _verify_json(capsys, Path(TINY_JSON), out)
     assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
 
@@ -2216,6 +2239,7 @@ def test_verify_batched_equals_one_at_a_time():
     recs[2]["exit_loops"][3] = recs[2]["exit_loops"][3] % 2 + 1  # a wrong depth, reported alike
     recs[7]["completion_ids"], recs[7]["exit_loops"], recs[7]["logprobs"] = [], [], []  # an empty completion
     batched = S.verify_records(model, recs, batch_size=16, seed=3)
+    assert len(recs) == 18 and len(batched) == len(recs)
     for i, rec in enumerate(recs):
         alone = S.verify_record(model, rec, seed=3, index=i)
         for key in ("logprobs", "delta", "pit", "greedy_gap"):
