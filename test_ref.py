@@ -2477,6 +2477,7 @@ def test_bench_model_on_a_checkpoint(tmp_path, capsys):
 # --- flags -----------------------------------------------------------------------------------------
 
 
+# (command, flags appended to a valid command line for it): each must be refused, naming the first flag.
 BAD_FLAGS = [
     ("verify", "--atol", "nan"),
     ("verify", "--atol", "-1"),
@@ -2512,64 +2513,42 @@ BAD_FLAGS = [
     ("demo", "--lr", "nan"),
     ("demo", "--problems", "0"),
     ("demo", "--steps", "-1"),
-]
-
-
-@pytest.mark.parametrize("command,flag,value", BAD_FLAGS)
-def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, flag, value):
-    """Every flag is checked (finite, in range, integer) before any work: exit 2 naming the flag, no
-    output (the warm start has not run) and nothing written."""
-    rc, err = _run(capsys, _flags(tmp_path, command) + [flag, value])
-    assert rc == 2
-    _one_line_error(err, flag)
-    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
-
-
-NEW_BAD_FLAGS = [
+    # a value outside a flag's choices: argparse refuses it itself, with its usage line
     ("verify", "--engine-dtype", "int8"),
+    ("verify", "--exit-rule", "cdf"),
+    ("rollout", "--exit-rule", "cdf"),
+    ("train", "--exit-rule", "cdf"),
+    ("demo", "--exit-rule", "cdf"),
+    # the oracle's and the loop cost's flags
     ("verify", "--sampler-alpha", "2"),
     ("verify", "--sampler-alpha", "nan"),
     ("verify", "--batch-size", "0"),
     ("verify", "--seed", "-1"),
     ("verify", "--plot", "/proc/scalerlt-issue11/v.png"),
-    ("verify", "--exit-rule", "cdf"),
-    ("rollout", "--exit-rule", "cdf"),
-    ("train", "--exit-rule", "cdf"),
-    ("demo", "--exit-rule", "cdf"),
+    ("train", "--loop-cost", "-1"),
+    ("train", "--loop-cost", "nan"),
+    ("demo", "--loop-cost", "inf"),
+    # sampled exits do not combine with the hf rule (a threshold rule's arithmetic): named by the first flag
+    ("train", "--exit-policy", "sampled", "--exit-rule", "hf"),
+    ("demo", "--exit-policy", "sampled", "--exit-rule", "hf"),
+    ("rollout", "--exit-policy", "sampled", "--exit-rule", "hf"),
 ]
 
 
-@pytest.mark.parametrize("command,flag,value", NEW_BAD_FLAGS)
-def test_new_flags_refused_before_any_work(tmp_path, capsys, command, flag, value):
-    """Issue 11's flags are checked before any work too: exit 2 naming the flag, nothing written."""
+@pytest.mark.parametrize("command,args", [(c, list(a)) for c, *a in BAD_FLAGS], ids=["-".join(x) for x in BAD_FLAGS])
+def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, args):
+    """Every flag is checked (finite, in range, integer, one of its choices, combined with flags it fits)
+    before any work: exit 2 naming the flag, no output (the warm start has not run), nothing written."""
+    capsys.readouterr()
     try:
-        rc, err = _run(capsys, _flags(tmp_path, command) + [flag, value])
+        rc = S.main(_flags(tmp_path, command) + args)
     except SystemExit as e:  # argparse refuses a value outside its choices itself, with its usage line
-        rc, err = e.code, capsys.readouterr().err
-        assert flag in err and "invalid choice" in err, err
+        rc, (out, err) = e.code, capsys.readouterr()
+        assert args[0] in err and "invalid choice" in err, err
     else:
-        _one_line_error(err, flag)
-    assert rc == 2 and not (tmp_path / "out").exists()
-
-
-SAMPLED_BAD_FLAGS = [
-    ("train", ["--loop-cost", "-1"]),
-    ("train", ["--loop-cost", "nan"]),
-    ("demo", ["--loop-cost", "inf"]),
-    ("train", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
-    ("demo", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
-    ("rollout", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
-]
-
-
-@pytest.mark.parametrize("command,extra", SAMPLED_BAD_FLAGS)
-def test_sampled_exit_flags_refused_before_any_work(tmp_path, capsys, command, extra):
-    """--loop-cost must be a finite number >= 0, and sampled exits do not combine with the hf rule (a
-    threshold rule's arithmetic): exit 2 naming the flag, before any work, nothing written."""
-    rc, err = _run(capsys, _flags(tmp_path, command) + extra)
-    assert rc == 2
-    _one_line_error(err, extra[0])
-    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+        out, err = capsys.readouterr()
+        _one_line_error(err, args[0])
+    assert rc == 2 and out == "" and not (tmp_path / "out").exists(), out
 
 
 @pytest.mark.parametrize(
@@ -2928,10 +2907,11 @@ def test_unwritable_out_refused_before_any_work(tmp_path, capsys, out):
     if out == "FILE":
         out = str(tmp_path / "a-file")
         Path(out).write_text("x")
-    rc, err = _run(capsys, _flags(tmp_path, "train")[:-1] + [out])
-    assert rc == 2
+    capsys.readouterr()
+    rc = S.main(_flags(tmp_path, "train")[:-1] + [out])
+    printed, err = capsys.readouterr()
+    assert rc == 2 and printed == "", printed
     _one_line_error(err, "--out")
-    assert capsys.readouterr().out == ""
 
 
 def test_disk_error_is_one_line(tmp_path, capsys, monkeypatch):
