@@ -2586,32 +2586,18 @@ def test_default_flags_pass_their_checks(tmp_path):
 # --- records ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "line,needle",
-    [
-        ("not json", "not valid JSON"),
-        ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
-        (
-            '{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}',
-            "outside the vocabulary",
-        ),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
-    ],
-)
-def test_verify_bad_input_exits_2_naming_the_line(tmp_path, capsys, line, needle):
-    """Malformed records exit 2 with the file and line named."""
-    path = tmp_path / "bad.jsonl"
-    ok = '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0.0]}'
-    path.write_text(ok + "\n" + line + "\n")
-    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(path)])
-    err = capsys.readouterr().err
-    assert rc == 2 and f"{path}:2:" in err and needle in err, err
-
-
-# Raw record lines that no JSON reader should turn into a traceback: each must be exit 2 naming line 2.
-RAW_BAD_LINES = [
+# Record lines verify must refuse as line 2 of a file whose line 1 is GOOD_RECORD, with what the error says:
+# records malformed or inconsistent, then lines no JSON reader should turn into a traceback (deep nesting
+# and huge numbers are refused by limits, not by a RecursionError).
+BAD_RECORD_LINES = [
+    ("not json", "not valid JSON"),
+    ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
+    ('{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}', "outside the vocabulary"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
+    (json.dumps(GOOD_RECORD | {"exit_logprobs": [-0.5]}), "'exit_logprobs' must be a list of"),
+    (json.dumps(GOOD_RECORD | {"exit_logprobs": "x"}), "'exit_logprobs' must be a list of"),
     ("[" * 100_000 + "]" * 100_000, "nested deeper"),
     (
         '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
@@ -2624,25 +2610,16 @@ RAW_BAD_LINES = [
 ]
 
 
-@pytest.mark.parametrize("line,needle", RAW_BAD_LINES)
-def test_hostile_json_lines_exit_2_naming_the_line(tmp_path, capsys, line, needle):
-    """Deep nesting and huge numbers are refused by limits, naming file and line (not RecursionError)."""
+@pytest.mark.parametrize(
+    "line,needle", BAD_RECORD_LINES, ids=[f"{i}-{needle}" for i, (_, needle) in enumerate(BAD_RECORD_LINES)]
+)
+def test_bad_record_exits_2_naming_file_and_line(tmp_path, capsys, line, needle):
+    """A record verify cannot read, or one that cannot be right, exits 2 with one line naming the file and
+    line and what is wrong (an exit_logprobs list must hold one finite number per completion token)."""
     records = _good_records(tmp_path, line)
     rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
     assert rc == 2
     _one_line_error(err, f"{records}:2:", needle)
-
-
-def test_bad_exit_logprobs_record_exits_2_naming_the_line(tmp_path, capsys):
-    """A record's exit_logprobs must be one finite number per completion token."""
-    good = dict(GOOD_RECORD, exit_logprobs=[-0.5] * len(GOOD_RECORD["completion_ids"]))
-    for bad, needle in [(dict(good, exit_logprobs=[-0.5]), "'exit_logprobs' must be a list of"),
-                        (dict(good, exit_logprobs="x"), "'exit_logprobs' must be a list of")]:  # fmt: skip
-        path = tmp_path / "r.jsonl"
-        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-        rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(path)])
-        assert rc == 2
-        _one_line_error(err, f"{path}:2:", needle)
 
 
 def test_non_utf8_and_lone_surrogate_name_file_and_line(tmp_path, capsys):
