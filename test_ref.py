@@ -1,21 +1,21 @@
-"""Property tests for scalerlt_ref.py: the looped model and its rollouts (SPEC.md §2-5).
+"""Property tests for scalerlt_ref.py, one section per claim, in the order of the README's "What the code
+guarantees, and the tests that prove it":
 
-What is proved here, on tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops):
-- the model: `loop_outputs` equals a slow per-position twin written in this file from SPEC §2 alone;
-  HF-layout checkpoints round-trip exactly, load sharded, and bad ones are refused naming the tensors;
-  configs are validated naming the key; the exit rule is SPEC §3's formula, monotone in the threshold,
-  respects `min_loops` and stays undecided until it decides;
-- the rollouts: replay reproduces a rollout's log-probs bit for bit (dense and deferred, fp32 and
-  bf16); under invariant numerics dense, deferred and teacher-forced agree bit for bit; the hybrid
-  learner has the replay's value and the teacher-forced gradient bit for bit; under fast numerics
-  dense, deferred and teacher-forced agree to rounding, and float64 rollouts agree with a from-scratch
-  recompute by the twin; tokens are drawn from the policy; deferral never does more work than dense
-  and a lone sequence's step makes e_new calls; a sequence does not depend on its batch; schedules
-  survive JSON; EOS ends a sequence;
-- the learner (issue 10): the gradient grpo_update applies is the policy gradient written out here
-  (float64), on a later clipped iteration the derivative of its loss (finite differences), and one small
-  step moves log-probs with the advantage; a replay mismatch refuses the step; an interrupted run
-  resumes bit for bit (weights, optimizer state, RNG).
+ 1. the model computes the contract's equations (a slow per-position twin); checkpoints and configs load;
+ 2. the exit rule (survival and hf) and the sampled exit policy;
+ 3. replay reproduces a rollout bit for bit;
+ 4. dense, deferred and teacher-forced compute the same policy;
+ 5. deferral does the work it claims;
+ 6. the learner: the replay's value, the teacher-forced gradient, and the policy gradient applied;
+ 7. GRPO's pieces, hand-checked;
+ 8. the trainer;
+ 9. the oracle, `verify`;
+10. real checkpoints and the bench;
+11. bad input is a one-line error.
+
+Tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops, float32 and bfloat16). Where two tests
+would differ by a setting (the exit policy, the exit rule) one test is parametrized by it. Helpers sit at
+the top, or just before the first section that uses them.
 
 Equality strength: `torch.equal` where the same operations run on the same bits; explicit tolerances
 (the max difference printed on failure) where the operations differ.
@@ -348,7 +348,8 @@ def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tenso
     data=st.data(),
 )
 def test_loop_outputs_match_slow_twin(cfg, model_seed, B, T, numerics, data):
-    """The batched model must compute SPEC §2 exactly; the per-position twin is the definition."""
+    """The batched model must compute the contract's equations (README, "Contract") exactly; the
+    per-position twin is the definition."""
     model = S.LoopedLM(cfg, seed=model_seed).double()
     row = st.lists(st.integers(0, cfg.vocab_size - 1), min_size=T, max_size=T)
     idx = torch.tensor(data.draw(st.lists(row, min_size=B, max_size=B)))  # (B, T)
@@ -629,7 +630,7 @@ float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 @examples(25)
 @given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
 def test_exit_rule_is_the_spec_formula(gates, dtype, data):
-    """Engines are judged by this rule, so it must be SPEC §3's: first r >= min_loops with CDF_r >= tau."""
+    """Engines are judged by this rule, so it must be the contract's: first r >= min_loops with CDF_r >= tau."""
     R = len(gates)
     min_loops = data.draw(st.integers(1, R))
     g = torch.tensor(gates, dtype=dtype)  # (R,)
@@ -785,7 +786,7 @@ def test_hf_rule_rounds_the_threshold_like_torch():
 
 def test_hf_and_survival_differ_in_bfloat16_at_threshold_one():
     """Why two rules: with sharp gates at threshold 1.0, HF's bfloat16 CDF rounds to 1 at loop 2 and exits,
-    where SPEC §3's float32 CDF is still below 1 (it exits at loop 3)."""
+    where the survival rule's float32 CDF is still below 1 (it exits at loop 3)."""
     g = torch.full((4,), 6.0, dtype=torch.bfloat16)
     assert S.exit_loop(g, 4, 1.0, rule="hf") == 2 and S.exit_loop(g, 4, 1.0, rule="survival") == 3
 
@@ -827,7 +828,7 @@ def test_no_threshold_means_exit_at_R(tmp_path):
 
 
 def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.Tensor:
-    """log p(exit = e) written from SPEC §3 alone, float64: gates (R,) -> sum over the loops that draw of
+    """log p(exit = e) written from the contract alone, float64: gates (R,) -> sum over the loops that draw of
     log(1 - lambda) before e, plus log lambda_e unless e = R (the last loop takes the rest)."""
     R, lam = gates.numel(), torch.sigmoid(gates.double())
     if e < min_loops:
@@ -839,7 +840,7 @@ def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.
 @examples(25)
 @given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
 def test_exit_logprob_is_the_spec_formula(gates, dtype, data):
-    """`exit_logprob` is log p(e) of SPEC §3 (conditioned on e >= min_loops): by hand to rounding, -inf
+    """`exit_logprob` is the contract's log p(e) (conditioned on e >= min_loops): by hand to rounding, -inf
     before min_loops, 0 for padding, and its exponentials sum to 1 over the loops it can exit at."""
     R = len(gates)
     g = torch.tensor(gates, dtype=dtype)  # (R,)
@@ -883,7 +884,7 @@ def _expected_exit_pmf(gates: torch.Tensor, min_loops: int, shift: float = 0.0) 
 @pytest.mark.parametrize("mode", ["dense", "deferred"])
 def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
     """4,000 sequences share one prompt and draw one token each: their exit loops are 4,000 independent
-    draws from one p(r) (SPEC §3, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
+    draws from one p(r) (the contract's, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
     written out here (float64, from the teacher-forced gates) must not reject at 1e-3. That is the
     false-alarm rate per case (6 cases: 0.6% for the whole test under the null); the seeds are fixed, so
     it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted by
@@ -1041,8 +1042,9 @@ def test_fast_schedules_agree_to_rounding(case):
     model = case.model(torch.float32)
     dense = case.rollout(model, mode="dense", numerics="fast")
     deferred = case.rollout(model, mode="deferred", numerics="fast")
-    # Tolerance: float32 rounding differs between batch shapes (SPEC §4); it may flip a token or an exit,
-    # after which the sequences legitimately part, so compare up to the first difference.
+    # Tolerance: float32 rounding differs between batch shapes (README, "Why fast numerics differ in bits");
+    # it may flip a token or an exit, after which the sequences legitimately part, so compare up to the first
+    # difference.
     for b in range(len(case.prompts)):
         k = _first_divergence(dense, deferred, b)
         d = maxdiff(dense.logprobs[b, :k], deferred.logprobs[b, :k])
@@ -1347,7 +1349,8 @@ def _grpo_rollout(case: Case, model: S.LoopedLM, mode: str, exit_policy: str = "
 
 
 def _advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
-    """SPEC §6 written out: A = (r - mean of its group) / (unbiased std of its group + eps), float64."""
+    """The contract's advantage, written out: A = (r - mean of its group) / (unbiased std of its group + eps),
+    float64."""
     out = []
     for start in range(0, len(rewards), G):
         r = [float(x) for x in rewards[start : start + G]]
