@@ -185,6 +185,7 @@ dtypes = st.sampled_from([torch.float32, torch.bfloat16])
 
 
 def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64, for failure messages (0 for empty tensors)."""
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
@@ -193,9 +194,7 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-GSM8K = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
-
-
+GSM8K = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"  # tests that need it skip without it
 TINY_JSON = str(Path(__file__).resolve().parent / "tiny_configs" / "tiny.json")
 
 
@@ -207,6 +206,7 @@ def _run(capsys, argv: list[str]) -> tuple[int, str]:
 
 
 def _one_line_error(err: str, *needles: str) -> None:
+    """`err` is one line, "error: ...", no traceback, naming every needle."""
     assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, f"{needle!r} not in {err!r}"
@@ -222,17 +222,20 @@ GOOD_RECORD = {
 
 
 def _good_records(tmp_path: Path, *lines: str) -> Path:
+    """A records file: GOOD_RECORD on line 1, then `lines`."""
     path = tmp_path / "records.jsonl"
     path.write_text(json.dumps(GOOD_RECORD) + "\n" + "".join(x + "\n" for x in lines))
     return path
 
 
 def _tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """An HF-layout checkpoint of a TINY model at `path`."""
     S.LoopedLM(S.Config(**TINY), seed=seed).save_pretrained(path)
     return path
 
 
 def _verify_tiny(capsys, model_dir: Path, records: Path, *extra: str) -> tuple[int, str]:
+    """`verify --model model_dir`: (exit status, stderr)."""
     return _run(capsys, ["verify", "--model", str(model_dir), "--rollouts", str(records)] + list(extra))
 
 
@@ -262,11 +265,13 @@ def _flags(tmp_path, command: str) -> list[str]:
 
 
 def _write_records(path: Path, recs: list[dict]) -> Path:
+    """Records (as `rollout_records` returns them) written as a JSONL file."""
     path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "line"}) + "\n" for r in recs))
     return path
 
 
 def _verify_json(capsys, cfg_path: Path, records: Path, *extra: str) -> tuple[int, dict]:
+    """`verify --config cfg_path`: (exit status, the JSON summary it prints last)."""
     capsys.readouterr()
     rc = S.main(["verify", "--config", str(cfg_path), "--rollouts", str(records)] + list(extra))
     return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
