@@ -179,8 +179,6 @@ def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures
 
 # Tests about deferral draw at least 2 new tokens: a 1-token rollout is all prefill, nothing to defer.
 modes = st.sampled_from(["dense", "deferred"])
-
-
 dtypes = st.sampled_from([torch.float32, torch.bfloat16])
 
 
@@ -627,14 +625,12 @@ def test_impossible_config_is_refused_naming_key(bad):
 
 # Mostly moderate gate logits (CDFs spread over (0, 1)), some saturated ones (sigmoid rounds to 0 or 1).
 gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)), min_size=1, max_size=6)
-
-
 float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
 
 
 @examples(25)
 @given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
-def test_exit_rule_is_the_spec_formula(gates, dtype, data):
+def test_exit_rule_is_the_contract_formula(gates, dtype, data):
     """Engines are judged by this rule, so it must be the contract's: first r >= min_loops with CDF_r >= tau."""
     R = len(gates)
     min_loops = data.draw(st.integers(1, R))
@@ -844,7 +840,7 @@ def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.
 
 @examples(25)
 @given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
-def test_exit_logprob_is_the_spec_formula(gates, dtype, data):
+def test_exit_logprob_is_the_contract_formula(gates, dtype, data):
     """`exit_logprob` is the contract's log p(e) (conditioned on e >= min_loops): by hand to rounding, -inf
     before min_loops, 0 for padding, and its exponentials sum to 1 over the loops it can exit at."""
     R = len(gates)
@@ -2929,11 +2925,7 @@ def _main_captured(argv: list[str]) -> tuple[int, str]:
 
 
 _HUGE = 10**400  # json.dumps writes it; reading it must hit the number limit, not OverflowError
-
-
 _NOT_A_NUMBER = st.sampled_from([float("nan"), float("inf"), -float("inf"), "1", None, True, [1], {"a": 1}, _HUGE])
-
-
 _DEEP = st.integers(S.JSON_MAX_DEPTH, 3 * S.JSON_MAX_DEPTH).map(lambda n: json.loads("[" * n + "]" * n))
 
 
@@ -2986,8 +2978,6 @@ _INT_KEYS = [
     "total_ut_steps",
     "max_position_embeddings",
 ]
-
-
 _BAD_INT = st.sampled_from([0, -1, "4", 2.5, True, None, [1], float("nan"), 10**13, _HUGE])
 
 
