@@ -64,7 +64,9 @@ with warnings.catch_warnings():
 
 
 def examples(n: int) -> settings:
-    """`n` examples under the CI profile, scaled up with the loaded profile's budget (dev draws more)."""
+    """`n` examples under the CI profile, scaled up with the loaded profile's budget (dev draws more). A
+    parametrized test draws `n` per parameter: those parametrized by exit policy split what their two
+    former copies drew between them."""
     return settings(max_examples=max(1, round(n * settings.default.max_examples / 15)))
 
 
@@ -939,7 +941,7 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
 # ---------------------------------------------------------------------------------------------------
 
 
-@examples(25)
+@examples(22)
 @given(case=cases(), mode=modes, dtype=dtypes)
 @pytest.mark.parametrize(
     "exit_policy,rule", [("threshold", "survival"), ("threshold", "hf"), ("sampled", "survival")]
@@ -1002,7 +1004,7 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
 # ---------------------------------------------------------------------------------------------------
 
 
-@examples(25)
+@examples(23)
 @given(case=cases(), dtype=dtypes)
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_policy):
@@ -1099,7 +1101,7 @@ def test_sampling_follows_the_policy(logits, temperature, seed):
         assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
 
 
-@examples(25)
+@examples(23)
 @given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_sequence_does_not_depend_on_its_batch(case, mode, data, exit_policy):
@@ -1221,7 +1223,7 @@ def _grads(model: S.LoopedLM, logp: torch.Tensor, weights: torch.Tensor, mask: t
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@examples(25)
+@examples(23)
 @given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics, exit_policy):
@@ -1391,7 +1393,7 @@ def _sequence_grads(model: S.LoopedLM, ro: S.Rollout, with_exits: bool = False) 
     return out
 
 
-@examples(15)
+@examples(14)
 @given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_first_iteration_applies_the_policy_gradient(gc, mode, agg, exit_policy):
