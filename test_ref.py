@@ -1,21 +1,21 @@
-"""Property tests for scalerlt_ref.py: the looped model and its rollouts (SPEC.md §2-5).
+"""Property tests for scalerlt_ref.py, one section per claim, in the order of the README's "What the code
+guarantees, and the tests that prove it":
 
-What is proved here, on tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops):
-- the model: `loop_outputs` equals a slow per-position twin written in this file from SPEC §2 alone;
-  HF-layout checkpoints round-trip exactly, load sharded, and bad ones are refused naming the tensors;
-  configs are validated naming the key; the exit rule is SPEC §3's formula, monotone in the threshold,
-  respects `min_loops` and stays undecided until it decides;
-- the rollouts: replay reproduces a rollout's log-probs bit for bit (dense and deferred, fp32 and
-  bf16); under invariant numerics dense, deferred and teacher-forced agree bit for bit; the hybrid
-  learner has the replay's value and the teacher-forced gradient bit for bit; under fast numerics
-  dense, deferred and teacher-forced agree to rounding, and float64 rollouts agree with a from-scratch
-  recompute by the twin; tokens are drawn from the policy; deferral never does more work than dense
-  and a lone sequence's step makes e_new calls; a sequence does not depend on its batch; schedules
-  survive JSON; EOS ends a sequence;
-- the learner (issue 10): the gradient grpo_update applies is the policy gradient written out here
-  (float64), on a later clipped iteration the derivative of its loss (finite differences), and one small
-  step moves log-probs with the advantage; a replay mismatch refuses the step; an interrupted run
-  resumes bit for bit (weights, optimizer state, RNG).
+ 1. the model computes the contract's equations (a slow per-position twin); checkpoints and configs load;
+ 2. the exit rule (survival and hf) and the sampled exit policy;
+ 3. replay reproduces a rollout bit for bit;
+ 4. dense, deferred and teacher-forced compute the same policy;
+ 5. deferral does the work it claims;
+ 6. the learner: the replay's value, the teacher-forced gradient, and the policy gradient applied;
+ 7. GRPO's pieces, hand-checked;
+ 8. the trainer;
+ 9. the oracle, `verify`;
+10. real checkpoints and the bench;
+11. bad input is a one-line error.
+
+Tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops, float32 and bfloat16). Where two tests
+would differ by a setting (the exit policy, the exit rule) one test is parametrized by it. Helpers sit at
+the top, or just before the first section that uses them.
 
 Equality strength: `torch.equal` where the same operations run on the same bits; explicit tolerances
 (the max difference printed on failure) where the operations differ.
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import scalerlt_ref as S
@@ -64,7 +64,9 @@ with warnings.catch_warnings():
 
 
 def examples(n: int) -> settings:
-    """`n` examples under the CI profile, scaled up with the loaded profile's budget (dev draws more)."""
+    """`n` examples under the CI profile, scaled up with the loaded profile's budget (dev draws more). A
+    parametrized test draws `n` per parameter: those parametrized by exit policy split what their two
+    former copies drew between them."""
     return settings(max_examples=max(1, round(n * settings.default.max_examples / 15)))
 
 
@@ -93,8 +95,9 @@ def _one_thread():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Strategies
+# Strategies: tiny models and rollouts, drawn by hypothesis
 # ---------------------------------------------------------------------------------------------------
+
 
 # NOTE: these random models are chaotic: at initializer_range 1.0 a one-ulp difference grows ~1e5-fold
 # over 4 loops x 2 layers (measured: float32 dense vs deferred up to 1e-4, float64 fast vs invariant up
@@ -188,9 +191,105 @@ modes = st.sampled_from(["dense", "deferred"])
 dtypes = st.sampled_from([torch.float32, torch.bfloat16])
 
 
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64, for failure messages (0 for empty tensors)."""
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
 # ---------------------------------------------------------------------------------------------------
-# The slow twin: SPEC §2 spelled out per position and per head, from the checkpoint tensors alone
+# Running the commands in-process: tiny inputs, captured output
 # ---------------------------------------------------------------------------------------------------
+
+
+GSM8K = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"  # tests that need it skip without it
+TINY_JSON = str(Path(__file__).resolve().parent / "tiny_configs" / "tiny.json")
+
+
+def _run(capsys, argv: list[str]) -> tuple[int, str]:
+    """S.main in-process: (exit status, stderr). An uncaught exception (a traceback) fails the test."""
+    capsys.readouterr()
+    rc = S.main(argv)
+    return rc, capsys.readouterr().err
+
+
+def _one_line_error(err: str, *needles: str) -> None:
+    """`err` is one line, "error: ...", no traceback, naming every needle."""
+    assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+GOOD_RECORD = {
+    "prompt_ids": [1, 2, 3],
+    "completion_ids": [4, 5],
+    "exit_loops": [2, 1],
+    "logprobs": [-3.0, -3.5],
+    "temperature": 1.0,
+}
+
+
+def _good_records(tmp_path: Path, *lines: str) -> Path:
+    """A records file: GOOD_RECORD on line 1, then `lines`."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(GOOD_RECORD) + "\n" + "".join(x + "\n" for x in lines))
+    return path
+
+
+def _tiny_checkpoint(path: Path, seed: int = 0) -> Path:
+    """An HF-layout checkpoint of a TINY model at `path`."""
+    S.LoopedLM(S.Config(**TINY), seed=seed).save_pretrained(path)
+    return path
+
+
+def _verify_tiny(capsys, model_dir: Path, records: Path, *extra: str) -> tuple[int, str]:
+    """`verify --model model_dir`: (exit status, stderr)."""
+    return _run(capsys, ["verify", "--model", str(model_dir), "--rollouts", str(records)] + list(extra))
+
+
+def _flags(tmp_path, command: str) -> list[str]:
+    """A valid command line for `command` on tiny inputs; a bad flag appended overrides a good one."""
+    records = _good_records(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    return {
+        "train": [
+            "train",
+            "--config",
+            TINY_JSON,
+            "--steps",
+            "1",
+            "--sft-steps",
+            "50",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        "verify": ["verify", "--config", TINY_JSON, "--rollouts", str(records)],
+        "rollout": ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(tmp_path / "out")],
+        "demo": ["demo", "--out", str(tmp_path / "out")],
+    }[command]
+
+
+def _write_records(path: Path, recs: list[dict]) -> Path:
+    """Records (as `rollout_records` returns them) written as a JSONL file."""
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "line"}) + "\n" for r in recs))
+    return path
+
+
+def _verify_json(capsys, cfg_path: Path, records: Path, *extra: str) -> tuple[int, dict]:
+    """`verify --config cfg_path`: (exit status, the JSON summary it prints last)."""
+    capsys.readouterr()
+    rc = S.main(["verify", "--config", str(cfg_path), "--rollouts", str(records)] + list(extra))
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. The model computes the contract's equations; checkpoints and configs load exactly
+# ---------------------------------------------------------------------------------------------------
+
+
+# --- the slow twin: the equations spelled out per position and head, from the tensors alone -----
 
 
 def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,15 +350,6 @@ def slow_loop_outputs(model: S.LoopedLM, idx: torch.Tensor) -> tuple[torch.Tenso
     return logits, gates
 
 
-def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-# ---------------------------------------------------------------------------------------------------
-# The model
-# ---------------------------------------------------------------------------------------------------
-
-
 @examples(20)
 @given(
     cfg=configs(),
@@ -270,7 +360,8 @@ def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     data=st.data(),
 )
 def test_loop_outputs_match_slow_twin(cfg, model_seed, B, T, numerics, data):
-    """The batched model must compute SPEC §2 exactly; the per-position twin is the definition."""
+    """The batched model must compute the contract's equations (README, "Contract") exactly; the
+    per-position twin is the definition."""
     model = S.LoopedLM(cfg, seed=model_seed).double()
     row = st.lists(st.integers(0, cfg.vocab_size - 1), min_size=T, max_size=T)
     idx = torch.tensor(data.draw(st.lists(row, min_size=B, max_size=B)))  # (B, T)
@@ -279,6 +370,9 @@ def test_loop_outputs_match_slow_twin(cfg, model_seed, B, T, numerics, data):
     assert out.logits.shape == logits.shape and out.gate_logits.shape == gates.shape
     d = max(maxdiff(out.logits, logits), maxdiff(out.gate_logits, gates))
     assert d <= 1e-10, f"loop_outputs vs slow twin: max |diff| = {d:.3e}"
+
+
+# --- checkpoints round-trip exactly, sharded or not; the lean load is the old load -----------------
 
 
 def _full_precision_model(cfg: S.Config, seed: int, dtype: torch.dtype) -> S.LoopedLM:
@@ -293,8 +387,10 @@ def _full_precision_model(cfg: S.Config, seed: int, dtype: torch.dtype) -> S.Loo
 
 @examples(10)
 @given(cfg=configs(), model_seed=st.integers(0, 2**16), dtype=dtypes)
+@example(cfg=S.Config(**TINY), model_seed=1, dtype=torch.float64)  # the oracle's float64 weights, not via float32
 def test_checkpoint_round_trip_is_exact(tmp_path_factory, cfg, model_seed, dtype):
-    """What save_pretrained writes, from_pretrained must read back bit for bit, config included."""
+    """What save_pretrained writes, from_pretrained must read back bit for bit, config included (float32,
+    bfloat16, and float64: the float64 oracle runs need their weights back unrounded)."""
     model = _full_precision_model(cfg, model_seed, dtype)
     path = tmp_path_factory.mktemp("ckpt")
     model.save_pretrained(path)
@@ -303,19 +399,10 @@ def test_checkpoint_round_trip_is_exact(tmp_path_factory, cfg, model_seed, dtype
     a, b = model.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys()
     for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k}: max |diff| = {maxdiff(a[k], b[k]):.3e}"
     idx = torch.arange(5)[None] % cfg.vocab_size  # (1, 5)
     out_a, out_b = model.loop_outputs(idx), loaded.loop_outputs(idx)
     assert torch.equal(out_a.logits, out_b.logits) and torch.equal(out_a.gate_logits, out_b.gate_logits)
-
-
-def test_float64_checkpoint_round_trip_is_exact(tmp_path):
-    """The float64 oracle runs need float64 weights back bit for bit, not rounded through float32."""
-    model = _full_precision_model(S.Config(**TINY), 1, torch.float64)
-    model.save_pretrained(tmp_path)
-    loaded = S.LoopedLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
-    for k, v in model.state_dict().items():
-        assert torch.equal(loaded[k], v), f"{k}: max |diff| = {maxdiff(loaded[k], v):.3e}"
 
 
 def _write_hf_checkpoint(path: Path, cfg: S.Config, files: dict[str, dict[str, torch.Tensor]]):
@@ -330,22 +417,6 @@ def _write_hf_checkpoint(path: Path, cfg: S.Config, files: dict[str, dict[str, t
         weight_map = {k: name for name, tensors in files.items() for k in tensors}
         index = {"metadata": {}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def test_bad_checkpoint_is_refused_naming_tensors(tmp_path):
-    """A checkpoint that does not match its config must fail loudly, listing every culprit."""
-    cfg = S.Config(**TINY)
-    tensors = dict(S.LoopedLM(cfg).state_dict())
-    missing, extra = "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_norm.weight"
-    misshapen = "lm_head.weight"
-    del tensors[missing]
-    tensors[extra] = torch.ones(cfg.head_dim)
-    tensors[misshapen] = torch.zeros(cfg.vocab_size + 1, cfg.hidden_size)
-    _write_hf_checkpoint(tmp_path, cfg, {"model.safetensors": tensors})
-    with pytest.raises(ValueError) as err:
-        S.LoopedLM.from_pretrained(tmp_path)
-    for name in (missing, extra, misshapen):
-        assert name in str(err.value), f"{name} not named in: {err.value}"
 
 
 def test_sharded_checkpoint_loads_exactly(tmp_path):
@@ -364,2135 +435,11 @@ def test_sharded_checkpoint_loads_exactly(tmp_path):
     )
     assert not (tmp_path / "model.safetensors").exists()
     loaded = S.LoopedLM.from_pretrained(tmp_path)
+    assert loaded.state_dict().keys() == sd.keys()
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, sd[k]), k
     idx = torch.tensor([[1, 2, 3, 4]])  # (1, 4)
     assert torch.equal(loaded.loop_outputs(idx).logits, model.loop_outputs(idx).logits)
-
-
-# Known fields, and the two keys that mark a dict as an HF config.json (whose extra keys only warn).
-NOT_UNKNOWN = {f.name for f in dataclasses.fields(S.Config)} | {"model_type", "architectures"}
-
-
-@examples(10)
-@given(key=st.from_regex(r"[a-z][a-z_]{2,15}", fullmatch=True).filter(lambda k: k not in NOT_UNKNOWN))
-def test_unknown_config_key_is_named(key):
-    """A typo in a tiny config must not be silently ignored (it would change the model unnoticed)."""
-    with pytest.raises(ValueError, match=re.escape(repr(key))):
-        S.Config.from_dict(TINY | {key: 1}, "tiny.json")
-
-
-@examples(15)
-@given(
-    bad=st.one_of(
-        st.tuples(st.integers(8, 64), st.integers(2, 8))
-        .filter(lambda t: t[0] % t[1])
-        .map(
-            lambda t: ("num_attention_heads", dict(hidden_size=t[0], num_attention_heads=t[1], num_key_value_heads=1))
-        ),
-        st.tuples(st.integers(1, 8), st.integers(1, 8))
-        .filter(lambda t: t[0] % t[1])
-        .map(
-            lambda t: (
-                "num_key_value_heads",
-                dict(hidden_size=16 * t[0], num_attention_heads=t[0], num_key_value_heads=t[1]),
-            )
-        ),
-        st.integers(-3, 0).map(lambda r: ("total_ut_steps", dict(total_ut_steps=r))),
-    )
-)
-def test_impossible_config_is_refused_naming_key(bad):
-    """Impossible shapes must fail at load time, naming the key to fix, not deep inside a forward."""
-    key, override = bad
-    with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
-        S.Config.from_dict(TINY | override, "tiny.json")
-
-
-def test_every_tiny_config_loads():
-    """The shipped presets must stay loadable (strict loader) and build a working model."""
-    paths = sorted((HERE / "tiny_configs").glob("*.json"))
-    assert paths, "no tiny_configs/*.json"
-    for path in paths:
-        cfg = S.Config.from_json(path)
-        for k, v in json.loads(path.read_text()).items():
-            assert getattr(cfg, k) == v, (path.name, k)
-        out = S.LoopedLM(cfg).loop_outputs(torch.tensor([[0, 1]]))
-        assert out.logits.shape == (cfg.total_ut_steps, 1, 2, cfg.vocab_size), path.name
-
-
-# --- the exit rule ---------------------------------------------------------------------------------
-
-# Mostly moderate gate logits (CDFs spread over (0, 1)), some saturated ones (sigmoid rounds to 0 or 1).
-gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)), min_size=1, max_size=6)
-float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
-
-
-@examples(25)
-@given(gates=gate_vectors, t=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=2), dtype=float_dtypes, data=st.data())
-def test_exit_is_monotone_in_threshold(gates, t, dtype, data):
-    """A stricter threshold can only make a token think longer; otherwise the threshold is no dial."""
-    R = len(gates)
-    min_loops = data.draw(st.integers(1, R))
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    lo, hi = sorted(t)
-    e_lo, e_hi = S.exit_loop(g, R, lo, min_loops), S.exit_loop(g, R, hi, min_loops)
-    assert 1 <= e_lo <= e_hi <= R, (e_lo, e_hi)
-
-
-@examples(25)
-@given(gates=gate_vectors, threshold=st.floats(0.0, 1.0), dtype=float_dtypes, data=st.data())
-def test_exit_respects_min_loops(gates, threshold, dtype, data):
-    """min_loops is a floor on compute; an exit before it would read out an unfinished token."""
-    R = len(gates)
-    min_loops = data.draw(st.integers(1, R))
-    e = S.exit_loop(torch.tensor(gates, dtype=dtype), R, threshold, min_loops)
-    assert min_loops <= e <= R
-
-
-@examples(25)
-@given(gates=gate_vectors, threshold=st.floats(1.0 + 2**-20, 4.0), dtype=float_dtypes)
-def test_threshold_above_one_runs_all_loops(gates, threshold, dtype):
-    """CDF_r <= 1 for r < R, so a threshold above 1 means "no early exit" (HF's setting)."""
-    assert S.exit_loop(torch.tensor(gates, dtype=dtype), len(gates), threshold) == len(gates)
-
-
-def test_threshold_just_above_one_runs_all_loops():
-    """Regression for the rounding window (1, 1 + 2**-24]: still "above 1", so still no early exit."""
-    assert S.exit_loop(torch.tensor([30.0, 0.0, 0.0]), 3, 1.0 + 1e-9) == 3
-
-
-@examples(25)
-@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
-def test_exit_rule_is_the_spec_formula(gates, dtype, data):
-    """Engines are judged by this rule, so it must be SPEC §3's: first r >= min_loops with CDF_r >= tau."""
-    R = len(gates)
-    min_loops = data.draw(st.integers(1, R))
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    lam = [1 / (1 + math.exp(-float(x))) for x in g]  # float64, from the gates as the model holds them
-    cdf = [1 - math.prod(1 - x for x in lam[:r]) for r in range(1, R)]  # CDF_1 .. CDF_{R-1}; CDF_R = 1
-    near_a_cdf = st.sampled_from(cdf or [0.5]).flatmap(lambda c: st.floats(c - 0.05, c + 0.05))
-    threshold = data.draw(st.one_of(st.floats(0.0, 1.2), near_a_cdf))  # near a CDF is where rules differ
-
-    def rule(t):
-        return next((r for r in range(min_loops, R) if cdf[r - 1] >= t), R)
-
-    # Tolerance: the module decides in float32 (float64 for float64 gates), so only a threshold clear of
-    # every CDF by 1e-5 has one right answer at both precisions.
-    expected = rule(threshold - 1e-5)
-    assume(expected == rule(threshold + 1e-5))
-    assert S.exit_loop(g, R, threshold, min_loops) == expected, (cdf, threshold, min_loops)
-
-
-@examples(25)
-@given(gates=gate_vectors, threshold=st.floats(0.0, 1.2), dtype=float_dtypes, data=st.data())
-def test_exit_is_undecided_until_it_is_decided(gates, threshold, dtype, data):
-    """The rollout asks after every loop; prefixes before the exit must say None, never a wrong loop."""
-    R = len(gates)
-    min_loops = data.draw(st.integers(1, R))
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    e = S.exit_loop(g, R, threshold, min_loops)
-    for r in range(1, R + 1):
-        assert S.exit_loop(g[:r], R, threshold, min_loops) == (None if r < e else e), (r, e)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rollouts, replay and learner log-probs
-# ---------------------------------------------------------------------------------------------------
-
-
-@examples(25)
-@given(case=cases(), mode=modes, dtype=dtypes)
-def test_replay_is_bitwise(case, mode, dtype):
-    """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics="fast")
-    replay = S.replay_logprobs(model, ro)
-    assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
-    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
-
-
-@examples(25)
-@given(case=cases(), dtype=dtypes)
-def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
-    """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits."""
-    model = case.model(dtype)
-    dense = case.rollout(model, mode="dense", numerics="invariant")
-    deferred = case.rollout(model, mode="deferred", numerics="invariant")
-    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
-    assert torch.equal(dense.mask, deferred.mask)
-    d = maxdiff(dense.logprobs, deferred.logprobs)
-    assert torch.equal(dense.logprobs, deferred.logprobs), f"dense vs deferred: max |diff| = {d:.3e}"
-    tf = S.teacher_forced_logprobs(model, dense, numerics="invariant").detach()
-    assert not bool(tf[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
-    assert torch.equal(tf, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tf, dense.logprobs):.3e}"
-
-
-def _grads(model: S.LoopedLM, logp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict:
-    model.zero_grad(set_to_none=True)
-    (weights * logp * mask).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-@examples(25)
-@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
-def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
-    """The learner must be exactly on-policy in value and exactly the dense gradient, both at once."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics="fast")
-    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
-    hybrid = S.learner_logprobs(model, ro, numerics=tf_numerics)[0]
-    assert torch.equal(hybrid.detach(), S.replay_logprobs(model, ro))
-    g_hybrid = _grads(model, hybrid, weights, ro.mask)
-    g_tf = _grads(model, S.teacher_forced_logprobs(model, ro, numerics=tf_numerics), weights, ro.mask)
-    # Exit loops are data (stop-gradient), so the exit gate is the one parameter with no gradient.
-    expected = {n for n, _ in model.named_parameters() if not n.startswith("model.early_exit_gate.")}
-    assert g_tf.keys() == expected, f"gradients on {sorted(g_tf)}, expected {sorted(expected)}"
-    assert g_hybrid.keys() == g_tf.keys()
-    for n in g_tf:
-        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
-
-
-def _first_divergence(a: S.Rollout, b: S.Rollout, seq: int) -> int:
-    """Index of the first completion token where the two rollouts' tokens or exit loops differ."""
-    pairs = list(
-        zip(
-            zip(a.completions[seq], a.exit_loops[seq], strict=True),
-            zip(b.completions[seq], b.exit_loops[seq], strict=True),
-            strict=False,
-        )
-    )
-    return next((k for k, (x, y) in enumerate(pairs) if x != y), len(pairs))
-
-
-@examples(25)
-@given(case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6)))
-def test_fast_schedules_agree_to_rounding(case):
-    """Under fast numerics dense, deferred and teacher-forced compute one policy, up to rounding."""
-    model = case.model(torch.float32)
-    dense = case.rollout(model, mode="dense", numerics="fast")
-    deferred = case.rollout(model, mode="deferred", numerics="fast")
-    # Tolerance: float32 rounding differs between batch shapes (SPEC §4); it may flip a token or an exit,
-    # after which the sequences legitimately part, so compare up to the first difference.
-    for b in range(len(case.prompts)):
-        k = _first_divergence(dense, deferred, b)
-        d = maxdiff(dense.logprobs[b, :k], deferred.logprobs[b, :k])
-        assert d <= 1e-5, f"sequence {b}, tokens 0..{k - 1}: dense vs deferred max |diff| = {d:.3e}"
-    # Teacher forcing runs every position in one call (the most different batch shape), so 2e-5; its
-    # exits are data, so it never diverges.
-    tf = S.teacher_forced_logprobs(model, dense, numerics="fast").detach()
-    d = maxdiff(tf[dense.mask], dense.logprobs[dense.mask])
-    assert d <= 2e-5, f"teacher-forced vs dense: max |diff| = {d:.3e}"
-
-
-@examples(10)
-@given(
-    logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5),
-    seed=st.integers(0, 2**16),
-    temperature=st.sampled_from([0.5, 1.0, 2.0]),
-)
-def test_sampling_follows_the_policy(logits, temperature, seed):
-    """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
-    logp = S.policy_logprobs(torch.tensor([logits]), temperature)[0]  # (V,)
-    gen, n = torch.Generator().manual_seed(seed), 3000
-    counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
-    for v, p in enumerate(logp.double().exp().tolist()):
-        # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
-        assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
-
-
-@examples(20)
-@given(
-    case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6), batch=(1, 3), temperatures=(0.0, 0.7, 1.0, 1.5)),
-    mode=modes,
-    numerics=st.sampled_from(S.NUMERICS),
-)
-def test_float64_rollout_matches_full_recompute(case, mode, numerics):
-    """Caches, deferral and exits must not change the policy: each step recomputed from scratch agrees."""
-    model = case.model(torch.float64)
-    ro = case.rollout(model, mode=mode, numerics=numerics)
-    R, t = case.cfg.total_ut_steps, case.temperature if case.temperature > 0 else 1.0
-    worst = 0.0
-    for b, prompt in enumerate(ro.prompts):
-        for k, tok in enumerate(ro.completions[b]):
-            logits, gates = slow_loop_outputs(model, torch.tensor([prompt + ro.completions[b][:k]]))  # prefix
-            e = S.exit_loop(gates[:, 0, -1], R, case.threshold, case.min_loops)
-            assert e == ro.exit_loops[b][k], f"sequence {b} token {k}: exit {ro.exit_loops[b][k]}, twin {e}"
-            logp = torch.log_softmax(logits[e - 1, 0, -1] / t, dim=-1)  # (V,)
-            if case.temperature == 0:
-                assert tok == int(logp.argmax()), f"greedy token {k} of sequence {b} is not the argmax"
-            worst = max(worst, abs(float(logp[tok]) - float(ro.logprobs[b, k])))
-    # Tolerance: the twin's float64 operations differ from the module's (order of sums, rsqrt).
-    assert worst <= 1e-12, f"max |logprob diff| = {worst:.3e}"
-
-
-@examples(25)
-@given(case=cases(), mode=modes)
-def test_each_loop_of_each_position_computed_once_in_order(case, mode):
-    """Exact KV means each (sequence, position, loop) is computed once, after its loop r - 1."""
-    ro = case.rollout(case.model(), mode=mode, numerics="fast")
-    units = [(b, p, c.loop) for c in ro.schedule.calls for b, p in c.rows]
-    dup = [u for u, n in Counter(units).items() if n > 1]
-    assert not dup, f"computed more than once: {dup[:5]}"
-    loops_of: dict = {}
-    for b, p, r in units:
-        loops_of.setdefault((b, p), []).append(r)
-    for (b, p), rs in loops_of.items():
-        assert rs == list(range(1, len(rs) + 1)), f"sequence {b} position {p} computed loops {rs}"
-
-
-@examples(25)
-@given(case=cases(new_tokens=(2, 6)))
-def test_deferred_never_does_more_work_than_dense(case):
-    """Deferral exists to skip loops; it must never add row-loops for the same tokens."""
-    model = case.model()
-    dense = case.rollout(model, mode="dense", numerics="invariant")
-    deferred = case.rollout(model, mode="deferred", numerics="invariant")
-    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
-    assert deferred.schedule.row_loops() <= dense.schedule.row_loops()
-    assert len(deferred.schedule.calls) <= len(dense.schedule.calls)
-
-
-@examples(25)
-@given(case=cases(), threshold=st.floats(1.5, 3.0))
-def test_without_early_exits_deferred_is_dense(case, threshold):
-    """When every token runs all R loops there is nothing to defer: the schedules must coincide."""
-    model = case.model()
-    dense = case.rollout(model, mode="dense", exit_threshold=threshold, min_loops=1)
-    deferred = case.rollout(model, mode="deferred", exit_threshold=threshold, min_loops=1)
-    R = case.cfg.total_ut_steps
-    assert all(e == R for es in dense.exit_loops for e in es)
-    calls = lambda ro: [(c.loop, list(c.rows), list(c.readout)) for c in ro.schedule.calls]  # noqa: E731
-    assert calls(deferred) == calls(dense)
-
-
-@examples(25)
-@given(case=cases(new_tokens=(2, 6), batch=(1, 1)))
-def test_deferred_step_makes_e_new_calls(case):
-    """The speed claim: a lone sequence's step costs e_new loop calls, not R."""
-    ro = case.rollout(case.model(), mode="deferred", numerics="fast")
-    steps, current = [], []
-    for c in ro.schedule.calls:
-        current.append(c.loop)
-        if c.readout:  # the readout row ends a step: its token is sampled here
-            assert c.readout == [(0, len(case.prompts[0]) - 1 + len(steps))], c.readout
-            steps.append(current)
-            current = []
-    assert not current, f"calls after the last readout: {current}"
-    assert steps == [list(range(1, e + 1)) for e in ro.exit_loops[0]], (steps, ro.exit_loops[0])
-
-
-@examples(25)
-@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
-def test_sequence_does_not_depend_on_its_batch(case, mode, data):
-    """Per-sequence generators + invariant numerics: batching and sharding must not change a sequence."""
-    model = case.model()
-    i = data.draw(st.integers(0, len(case.prompts) - 1))
-    batch = case.rollout(model, mode=mode, numerics="invariant")
-    alone = sample(
-        model,
-        [case.prompts[i]],
-        mode=mode,
-        numerics="invariant",
-        sequence_ids=[i],
-        max_new_tokens=case.max_new_tokens,
-        temperature=case.temperature,
-        exit_threshold=case.threshold,
-        min_loops=case.min_loops,
-        seed=case.seed,
-    )
-    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
-    d = maxdiff(alone.logprobs[0], batch.logprobs[i])
-    assert torch.equal(alone.logprobs[0], batch.logprobs[i]), f"alone vs in a batch: max |diff| = {d:.3e}"
-
-
-@examples(25)
-@given(case=cases(), mode=modes, numerics=st.sampled_from(S.NUMERICS), dtype=dtypes)
-def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
-    """The schedule is data an engine can hand over: what comes back from JSON must replay exactly."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics=numerics)
-    text = S.schedule_to_json(ro.schedule)
-    schedule = S.schedule_from_json(text)
-    assert S.schedule_to_json(schedule) == text
-    replay = S.replay_logprobs(model, dataclasses.replace(ro, schedule=schedule))
-    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
-
-
-@examples(25)
-@given(case=cases(new_tokens=(3, 6)), mode=modes)
-def test_eos_ends_sequence_and_masks_the_rest(case, mode):
-    """After EOS nothing may be sampled or trained on; before it nothing may change."""
-    model = case.model()
-    full = case.rollout(model, mode=mode, numerics="invariant")
-    eos = full.completions[0][1]  # a token that really occurs
-    ro = case.rollout(model, mode=mode, numerics="invariant", eos_id=eos)
-    N = case.max_new_tokens
-    for b, c in enumerate(full.completions):
-        n = c.index(eos) + 1 if eos in c else len(c)
-        assert ro.completions[b] == c[:n] and ro.exit_loops[b] == full.exit_loops[b][:n], b
-        assert ro.mask[b].tolist() == [k < n for k in range(N)], b
-        assert torch.equal(ro.logprobs[b, :n], full.logprobs[b, :n]) and not bool(ro.logprobs[b, n:].any()), b
-    assert ro.completions[0][-1] == eos and len(ro.completions[0]) <= 2
-
-
-@examples(25)
-@given(case=cases(new_tokens=(2, 6)), mode=modes, dtype=dtypes)
-def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
-    """Sequences of different lengths must replay exactly too (masks, padding, early stops)."""
-    model = case.model(dtype)
-    eos = case.rollout(model, mode=mode).completions[0][0]
-    ro = case.rollout(model, mode=mode, eos_id=eos)
-    assert len(ro.completions[0]) == 1
-    assert torch.equal(S.replay_logprobs(model, ro), ro.logprobs)
-
-
-# ---------------------------------------------------------------------------------------------------
-# GRPO, data and the trainer (issue 4)
-# ---------------------------------------------------------------------------------------------------
-
-GSM8K = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
-TINY_JSON = str(Path(__file__).resolve().parent / "tiny_configs" / "tiny.json")
-
-
-def test_group_advantages_hand_computed():
-    """Advantages are the hand-computed values for each scaling (a wrong std or mean would show)."""
-    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
-    s_group = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
-    s_batch = math.sqrt(1.5 / 7)  # unbiased std of the 8 rewards
-    expect = {
-        "group": [0.5 / (s_group + 1e-4), -0.5 / (s_group + 1e-4)] * 2 + [0.0] * 4,
-        "batch": [0.5 / (s_batch + 1e-4), -0.5 / (s_batch + 1e-4)] * 2 + [0.0] * 4,
-        "none": [0.5, -0.5] * 2 + [0.0] * 4,
-    }
-    for scale, e in expect.items():
-        e = (
-            torch.tensor([e[0], e[1], e[1], e[0]] + e[4:])
-            if scale != "none"
-            else torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
-        )
-        got = S.group_advantages(r, 4, scale)
-        assert torch.allclose(got, e, atol=1e-6), f"{scale}: max diff {(got - e).abs().max()}"
-
-
-@pytest.mark.parametrize("agg,expect", [("token_mean", -0.25), ("seq_mean_token_mean", 0.5), ("dr_grpo", -0.125)])
-def test_loss_aggregations_hand_computed(agg, expect):
-    """Each aggregation divides by what its paper says (tokens, per-sequence means, B * N)."""
-    logp = torch.zeros(2, 4)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
-    adv = torch.tensor([1.0, -2.0])
-    loss, stats = S.grpo_loss(logp, logp.clone(), adv, mask, S.GRPOConfig(loss_agg=agg))
-    assert abs(float(loss) - expect) < 1e-7, f"{agg}: {float(loss)} != {expect}"
-    assert stats["clip_ratio"] == 0.0
-
-
-def test_clipped_surrogate_hand_computed():
-    """Clipping binds only in the direction that matters: ratio 1.5 is clipped for A > 0, not for A < 0."""
-    logp_old = torch.zeros(2, 1)
-    logp = torch.full((2, 1), math.log(1.5))
-    loss, stats = S.grpo_loss(
-        logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool), S.GRPOConfig(epsilon_low=0.2)
-    )
-    expect = -(1.2 * 1.0 + 1.5 * -1.0) / 2
-    assert abs(float(loss) - expect) < 1e-6, f"{float(loss)} != {expect}"
-    assert stats["clip_ratio"] == 0.5
-
-
-@examples(15)
-@given(case=cases(), mode=modes, dtype=dtypes)
-def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
-    """On-policy means on-policy: with the weights that sampled, the hybrid's value (learner_logprobs) is
-    the sampler's recorded log-probs bit for bit, float32 and bfloat16, dense and deferred; and
-    grpo_update's first iteration takes that value, not the teacher-forced one (which differs in the last
-    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode)
-    value = S.learner_logprobs(model, ro)[0].detach()
-    assert torch.equal(value, ro.logprobs), f"max |diff| = {maxdiff(value, ro.logprobs):.3e}"
-    B = len(ro.prompts)
-    rewards = torch.arange(B, dtype=torch.float32) % 2  # one group: advantages not all 0 when B > 1
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=B, epsilon_low=1e-6, epsilon_high=1e-6))
-    assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
-
-
-@examples(10)
-@given(case=cases(), mode=modes, dtype=dtypes, data=st.data())
-def test_replay_mismatch_refuses_the_step(case, mode, dtype, data):
-    """One recorded log-prob off by one ulp (np.nextafter): grpo_update raises ReplayMismatchError before
-    any optimizer step; the parameters and the optimizer state are untouched."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode)
-    b, k = data.draw(st.sampled_from(ro.mask.nonzero().tolist()))
-    v = ro.logprobs[b, k].item()
-    ro.logprobs[b, k] = float(np.nextafter(np.float32(v), np.float32(-np.inf)))
-    assert ro.logprobs[b, k].item() != v
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    B = len(ro.prompts)
-    with pytest.raises(S.ReplayMismatchError):
-        S.grpo_update(model, opt, ro, torch.arange(B, dtype=torch.float32) % 2, S.GRPOConfig(group_size=B))
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), f"{n} changed: max |diff| = {maxdiff(p, before[n]):.3e}"
-    assert not opt.state, "the optimizer stepped"
-
-
-def test_teacher_forced_gradient_finite_differences():
-    """The teacher-forced gradient is the true derivative (float64 central differences, rtol 1e-6)."""
-    cfg = S.Config(
-        vocab_size=30,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_hidden_layers=1,
-        total_ut_steps=3,
-        early_exit_threshold=0.6,
-        initializer_range=0.5,
-        max_position_embeddings=32,
-    )
-    model = S.LoopedLM(cfg, seed=1).double()
-    ro = sample(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
-    w = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * ro.mask
-    f = lambda: float((S.teacher_forced_logprobs(model, ro) * w).sum())  # noqa: E731
-    model.zero_grad()
-    (S.teacher_forced_logprobs(model, ro) * w).sum().backward()
-    params = dict(model.named_parameters())
-    for name in [
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.mlp.down_proj.weight",
-        "model.layers.0.input_layernorm_2.weight",
-        "lm_head.weight",
-        "model.embed_tokens.weight",
-    ]:
-        p = params[name]
-        for flat in [0, p.numel() // 2, p.numel() - 1]:
-            idx = np.unravel_index(flat, tuple(p.shape))
-            with torch.no_grad():
-                old = p[idx].item()
-                p[idx] = old + 1e-6
-                up = f()
-                p[idx] = old - 1e-6
-                down = f()
-                p[idx] = old
-            fd, g = (up - down) / 2e-6, p.grad[idx].item()
-            assert abs(fd - g) <= 1e-6 * max(1.0, abs(g)) + 1e-7, f"{name}{idx}: fd {fd} vs grad {g}"
-
-
-def _train_args(steps: int, save_every: int) -> list[str]:
-    """A tiny `train` run's flags: 2 prompts x 2 completions a step on the built-in task."""
-    return ["train", "--config", TINY_JSON, "--steps", str(steps), "--prompts-per-step", "2", "--group-size", "2",
-            "--max-new-tokens", "6", "--subset", "20", "--device", "cpu", "--lr", "1e-2",
-            "--save-every", str(save_every)]  # fmt: skip
-
-
-def _train(tmp_path, *extra):
-    return S.main(_train_args(steps=2, save_every=1) + list(extra))
-
-
-# `scalerlt_ref.py train` with the global torch RNG seeded (a fresh process's is seeded at random, so two
-# runs' saved RNG states could not be compared otherwise). With a flag path, once step 4's update is done in
-# memory (its checkpoint not yet written) it signals and waits to be killed: the kill lands between two
-# checkpoints, deterministically.
-_TRAIN = """
-import pathlib, sys, time
-import torch
-import scalerlt_ref as S
-torch.manual_seed(7)
-real, calls = S.grpo_update, []
-def hooked(*a, **k):
-    m = real(*a, **k)
-    calls.append(1)
-    if len(calls) == 4 and sys.argv[1]:
-        pathlib.Path(sys.argv[1]).touch()
-        time.sleep(600)
-    return m
-S.grpo_update = hooked
-sys.exit(S.main(sys.argv[2:]))
-"""
-
-
-@slow
-def test_resumed_run_equals_uninterrupted(tmp_path):
-    """A run SIGKILLed between two checkpoints (after step 3's metrics and step 4's update, with step 2
-    the last checkpoint), resumed, ends bit for bit where a run that never stopped ends: the weights,
-    every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside)."""
-    args = _train_args(steps=4, save_every=2) + ["--reward", "digits"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
-    a, b, flag = tmp_path / "a", tmp_path / "b", tmp_path / "step4_updated"
-    subprocess.run(
-        [sys.executable, "-c", _TRAIN, "", *args, "--out", str(a)],
-        check=True,
-        env=env,
-        cwd=HERE,
-        timeout=300,
-        capture_output=True,
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", _TRAIN, str(flag), *args, "--out", str(b)],
-        env=env,
-        cwd=HERE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        for _ in range(3000):
-            if flag.exists() or child.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert flag.exists(), f"the run never reached step 4 (rc {child.poll()}): {child.stderr.read()[-2000:]!r}"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
-
-    def load(folder):
-        return torch.load(folder / "trainer_state.pt", weights_only=True)
-
-    assert load(b)["step"] == 2, "the last checkpoint before the kill should be step 2's"
-    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    rng = torch.get_rng_state()
-    torch.manual_seed(12345)  # a resume that did not restore the RNG would save this state instead
-    try:
-        perturbed = torch.get_rng_state()
-        assert S.main([*args, "--out", str(b), "--resume"]) == 0
-    finally:
-        torch.set_rng_state(rng)
-    x, y = load(a), load(b)
-    assert x["step"] == y["step"] == 4
-    assert x["model"].keys() == y["model"].keys()
-    for k in x["model"]:
-        d = maxdiff(x["model"][k], y["model"][k])
-        assert torch.equal(x["model"][k], y["model"][k]), f"{k}: max |diff| = {d:.3e}"
-    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
-    assert any(not torch.equal(x["model"][k], start[k]) for k in start), "the run did not learn: vacuous"
-    ox, oy = x["optimizer"], y["optimizer"]
-    assert ox["param_groups"] == oy["param_groups"]
-    assert ox["state"].keys() == oy["state"].keys() and len(ox["state"]) > 0
-    for i in ox["state"]:
-        assert ox["state"][i].keys() == oy["state"][i].keys()
-        for k, v in ox["state"][i].items():
-            d = maxdiff(v, oy["state"][i][k])
-            assert torch.equal(v, oy["state"][i][k]), f"optimizer state {i}.{k}: max |diff| = {d:.3e}"
-        assert float(ox["state"][i]["step"]) == 4.0
-    assert torch.equal(x["torch_rng"], y["torch_rng"]) and not torch.equal(y["torch_rng"], perturbed)
-    timing = {"seconds", "rollout_seconds", "tokens_per_second"}
-    logs = [
-        [
-            {k: v for k, v in json.loads(line).items() if k not in timing}
-            for line in (d / "metrics.jsonl").read_text().splitlines()
-        ]
-        for d in (a, b)
-    ]
-    assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [1, 2, 3, 4]
-
-
-def test_non_finite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
-    """A NaN during training stops with a diagnosis and leaves the last good checkpoint untouched."""
-    real = S.grpo_update
-    calls = []
-
-    def poisoned(model, *a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            with torch.no_grad():
-                model.lm_head.weight[0, 0] = float("nan")
-        return real(model, *a, **k)
-
-    monkeypatch.setattr(S, "grpo_update", poisoned)
-    assert _train(tmp_path, "--out", str(tmp_path / "run")) == 1
-    assert "last good checkpoint" in capsys.readouterr().out
-    state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
-
-
-def _gsm8k_lines(n):
-    path = GSM8K / "test.jsonl"
-    if not path.exists():
-        pytest.skip(f"GSM8K not found at {path} (the shared data folder is absent)")
-    return [json.loads(x) for x in path.read_text().splitlines()[:n]]
-
-
-def test_scorers_on_real_gsm8k_lines():
-    """Each gold answer scores 1 against itself (strict and lenient) and 0 against a changed number."""
-    for d in _gsm8k_lines(50):
-        gold = S.gsm8k_answer(d["answer"])
-        assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
-        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
-        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "strict") == 0.0
-        assert S.gsm8k_score(f"#### {gold + 1:g}", d["answer"], "strict") == 0.0
-
-
-def test_scorer_number_normalisation():
-    """'18.00' equals '18', '$1,000' equals '1000'; the strict scorer takes the last '####'."""
-    assert S.gsm8k_score("#### 18.00", "x #### 18") == 1.0
-    assert S.gsm8k_score("#### $1,000", "#### 1000") == 1.0
-    assert S.gsm8k_score("#### 3 then #### 4", "#### 4") == 1.0
-    assert S.gsm8k_score("#### 4 then #### 3", "#### 4") == 0.0
-    assert S.gsm8k_score("it is 7 or 8", "8", "lenient") == 1.0
-
-
-def test_train_one_step_on_real_gsm8k(tmp_path):
-    """`train` runs end to end on a real GSM8K subset with tiny.json and leaves an HF checkpoint."""
-    path = GSM8K / "train.jsonl"
-    if not path.exists():
-        pytest.skip(f"GSM8K not found at {path}")
-    out = tmp_path / "run"
-    rc = S.main(
-        [
-            "train",
-            "--config",
-            TINY_JSON,
-            "--data",
-            str(path),
-            "--subset",
-            "4",
-            "--steps",
-            "1",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "4",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ]
-    )
-    assert rc == 0 and (out / "model.safetensors").exists() and (out / "metrics.jsonl").exists()
-    S.LoopedLM.from_pretrained(out)
-
-
-@pytest.mark.parametrize(
-    "content,needle",
-    [
-        ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ":2: missing string key 'answer'"),
-        ('{"question": "q", "answer": "no final answer"}\n', ":1: 'answer' has no '#### <number>'"),
-        ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: not valid JSON"),
-        ("", "has no problems"),
-    ],
-)
-def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
-    """Malformed GSM8K files are refused with the file and line named."""
-    path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(ValueError) as e:
-        S.gsm8k_load(path)
-    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
-
-
-def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
-    """A subset larger than the file and a prompt over the position limit are clear errors."""
-    path = tmp_path / "d.jsonl"
-    path.write_text(
-        '{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
-    )
-    with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
-        S.gsm8k_load(path, subset=5)
-    rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
-        S.train(S.TrainConfig(config=TINY_JSON, data=str(path), device="cpu"))
-
-
-def test_builtin_problems_are_seeded_and_scored():
-    """The built-in generator is reproducible from its seed and its gold answers score 1."""
-    a, b = S.arithmetic_problems(30, seed=5), S.arithmetic_problems(30, seed=5)
-    assert a == b and a != S.arithmetic_problems(30, seed=6)
-    assert all(S.gsm8k_score(p["answer"], p["answer"]) == 1.0 for p in a)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The oracle (issue 5)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _records(tmp_path, kv):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt": "hi"}\n{"prompt_ids": [9]}\n')
-    out = tmp_path / f"ro-{kv}.jsonl"
-    assert (
-        S.main(
-            [
-                "rollout",
-                "--config",
-                TINY_JSON,
-                "--prompts",
-                str(prompts),
-                "--out",
-                str(out),
-                "--kv",
-                kv,
-                "--max-new-tokens",
-                "6",
-                "--seed",
-                "3",
-            ]
-        )
-        == 0
-    )
-    return out
-
-
-def _verify(path, capsys, *extra):
-    capsys.readouterr()
-    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(path), "--atol", "1e-4"] + list(extra))
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("kv", ["exact", "last_exited"])
-def test_verify_accepts_own_rollouts(tmp_path, capsys, kv):
-    """The project's own rollouts verify with zero mismatches and zero exit-rule violations."""
-    rc, summary = _verify(_records(tmp_path, kv), capsys, "--kv", kv)
-    assert rc == 0 and summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0, summary
-    assert summary["sequences"] == 3 and summary["tokens"] > 0 and summary["first_mismatch"] is None
-
-
-def test_verify_reports_first_perturbed_logprob(tmp_path, capsys):
-    """One perturbed log-prob fails with exit 1 and is reported as the first mismatch."""
-    path = _records(tmp_path, "exact")
-    recs = [json.loads(x) for x in path.read_text().splitlines()]
-    recs[1]["logprobs"][2] += 0.01
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    rc, summary = _verify(path, capsys)
-    assert rc == 1 and summary["mismatched_tokens"] == 1, summary
-    fm = summary["first_mismatch"]
-    assert (fm["sequence"], fm["token"]) == (1, 2) and abs(fm["got"] - recs[1]["logprobs"][2]) < 1e-12
-
-
-@pytest.mark.parametrize(
-    "line,needle",
-    [
-        ("not json", "not valid JSON"),
-        ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
-        (
-            '{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}',
-            "outside the vocabulary",
-        ),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
-        ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
-    ],
-)
-def test_verify_bad_input_exits_2_naming_the_line(tmp_path, capsys, line, needle):
-    """Malformed records exit 2 with the file and line named."""
-    path = tmp_path / "bad.jsonl"
-    ok = '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0.0]}'
-    path.write_text(ok + "\n" + line + "\n")
-    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(path)])
-    err = capsys.readouterr().err
-    assert rc == 2 and f"{path}:2:" in err and needle in err, err
-
-
-def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
-    """A recorded exit loop that breaks the rule is counted, with its distance to the threshold."""
-    path = _records(tmp_path, "exact")
-    recs = [json.loads(x) for x in path.read_text().splitlines()]
-    R = S.Config.from_json(TINY_JSON).total_ut_steps
-    recs[0]["exit_loops"][1] = recs[0]["exit_loops"][1] % R + 1  # a wrong depth
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    rc, summary = _verify(path, capsys)
-    assert rc == 1 and summary["exit_rule_violations"] == 1, summary
-    model = S.LoopedLM(S.Config.from_json(TINY_JSON)).double()
-    v = S.verify_record(model, {**recs[0], "temperature": 1.0})["violations"]
-    assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
-
-
-def test_last_exited_is_a_different_policy():
-    """KV-copy semantics differ from exact ones as soon as a generated token exits early."""
-    model = S.LoopedLM(S.Config.from_json(TINY_JSON))
-    ro = sample(model, [[5, 6, 7]], mode="deferred", numerics="invariant", max_new_tokens=8, seed=3)
-    assert any(e < 4 for e in ro.exit_loops[0][1:-1]), "this seed must give an early exit"
-    other = S.teacher_forced_logprobs(
-        model, dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, kv="last_exited")), "invariant"
-    ).detach()
-    exact = S.teacher_forced_logprobs(model, ro, "invariant").detach()
-    assert torch.equal(exact, ro.logprobs) and not torch.equal(other, exact)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Data-parallel GRPO (issue 6)
-# ---------------------------------------------------------------------------------------------------
-
-
-@slow
-def test_two_processes_match_one(tmp_path):
-    """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
-    parameters after two steps agree with one process to 1e-5 relative."""
-    script = str(Path(S.__file__).resolve())
-    common = [
-        "train",
-        "--config",
-        TINY_JSON,
-        "--steps",
-        "2",
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "2",
-        "--max-new-tokens",
-        "4",
-        "--numerics",
-        "invariant",
-        "--reward",
-        "digits",
-        "--subset",
-        "20",
-        "--device",
-        "cpu",
-        "--log-rollouts",
-        "--lr",
-        "1e-2",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(
-        [sys.executable, script, *common, "--out", str(one)], check=True, env=env, timeout=300, capture_output=True
-    )
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            script,
-            *common,
-            "--out",
-            str(two),
-        ],
-        env=env,
-        timeout=300,
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-
-    def records(folder):
-        out = {}
-        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
-            for line in f.read_text().splitlines():
-                d = json.loads(line)
-                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
-        return out
-
-    r1, r2 = records(one), records(two)
-    assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
-    assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
-    st_ = pytest.importorskip("safetensors.torch")
-    a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
-    for k in a:
-        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
-        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
-    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
-    assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
-
-
-def test_ouro_objective_hand_computed():
-    """Ouro's objective is sum_r p(r|x) CE_r - beta H(p), with p from the gates (CE and p checked by hand)."""
-    g1 = 0.7
-    logits = torch.tensor([[[[2.0, 0.0]]], [[[0.0, 1.0]]]])  # (R=2, B=1, T=1, V=2)
-    out = S.LoopOutputs(logits=logits, gate_logits=torch.tensor([[[g1]], [[-5.0]]]))
-    lam = 1 / (1 + math.exp(-g1))
-    p = [lam, 1 - lam]  # the last loop takes the rest, whatever its own gate says
-    ce = [math.log(1 + math.exp(2.0)), math.log(1 + math.exp(-1.0))]  # target token 1 at each loop
-    entropy = -sum(x * math.log(x) for x in p)
-    expect = p[0] * ce[0] + p[1] * ce[1] - 0.1 * entropy
-    got = S.ouro_loss(out, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool), beta=0.1)
-    assert abs(float(got) - expect) < 1e-6, f"{float(got)} != {expect}"
-
-
-def test_checkpoint_tokenizer_json_round_trips(tmp_path):
-    """A checkpoint's own tokenizer.json is used through the optional `tokenizers` package."""
-    tk = pytest.importorskip("tokenizers")
-    vocab = {"[UNK]": 0, "two": 1, "plus": 2, "is": 3, "four": 4}
-    tok = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    hf = S.HFTokenizer(tmp_path / "tokenizer.json", eos_id=0)
-    assert hf.encode("two plus two is four") == [1, 2, 1, 3, 4] and hf.vocab_size == 5
-    assert hf.decode([1, 2, 1]) == "two plus two"
-
-
-def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
-    """Prompt ids that are not in-vocabulary integers are refused naming the prompts file and line."""
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1.7]}\n')
-    rc = S.main(["rollout", "--config", TINY_JSON, "--prompts", str(path), "--out", str(tmp_path / "o.jsonl")])
-    err = capsys.readouterr().err
-    assert rc == 2 and f"{path}:2:" in err and "1.7" in err, err
-    assert not (tmp_path / "o.jsonl").exists()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Bad input (issue 14)
-# ---------------------------------------------------------------------------------------------------
-
-GOOD_RECORD = {
-    "prompt_ids": [1, 2, 3],
-    "completion_ids": [4, 5],
-    "exit_loops": [2, 1],
-    "logprobs": [-3.0, -3.5],
-    "temperature": 1.0,
-}
-
-
-def _run(capsys, argv: list[str]) -> tuple[int, str]:
-    """S.main in-process: (exit status, stderr). An uncaught exception (a traceback) fails the test."""
-    capsys.readouterr()
-    rc = S.main(argv)
-    return rc, capsys.readouterr().err
-
-
-def _one_line_error(err: str, *needles: str) -> None:
-    assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, f"{needle!r} not in {err!r}"
-
-
-def _tiny_checkpoint(path: Path, seed: int = 0) -> Path:
-    S.LoopedLM(S.Config(**TINY), seed=seed).save_pretrained(path)
-    return path
-
-
-def _good_records(tmp_path: Path, *lines: str) -> Path:
-    path = tmp_path / "records.jsonl"
-    path.write_text(json.dumps(GOOD_RECORD) + "\n" + "".join(x + "\n" for x in lines))
-    return path
-
-
-def _verify_tiny(capsys, model_dir: Path, records: Path, *extra: str) -> tuple[int, str]:
-    return _run(capsys, ["verify", "--model", str(model_dir), "--rollouts", str(records)] + list(extra))
-
-
-def test_verify_refuses_nan_checkpoint(tmp_path, capsys):
-    """A checkpoint holding NaN no longer verifies as agreement: it is refused, naming the tensor."""
-    st_ = pytest.importorskip("safetensors.torch")
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    tensors = st_.load_file(str(ckpt / "model.safetensors"))
-    tensors["lm_head.weight"][0, 0] = float("nan")
-    st_.save_file(tensors, str(ckpt / "model.safetensors"))
-    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
-    assert rc == 2
-    _one_line_error(err, str(ckpt), "lm_head.weight", "NaN")
-
-
-def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch):
-    """Non-finite reference log-probs that come from the model are a failure (exit 1), never agreement."""
-    model = S.LoopedLM(S.Config(**TINY)).double()
-    with torch.no_grad():
-        model.lm_head.weight.fill_(float("inf"))  # finite checkpoints can still overflow; simulate it
-    monkeypatch.setattr(S, "_load_model_arg", lambda args, dtype: model)
-    rc, err = _verify_tiny(capsys, tmp_path, _good_records(tmp_path))
-    assert rc == 1 and ":1: sequence 0, token 0" in err and "not finite" in err, err
-
-
-def test_verify_tiny_temperature_is_bad_input(tmp_path, capsys):
-    """temperature 5e-324 makes logits / T overflow: exit 2 naming the line, not a silent pass."""
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    records = _good_records(tmp_path, json.dumps(GOOD_RECORD | {"temperature": 5e-324}))
-    rc, err = _verify_tiny(capsys, ckpt, records)
-    assert rc == 2
-    _one_line_error(err, f"{records}:2:", "temperature", "overflow")
-
-
-def test_verify_accepts_empty_completion(tmp_path, capsys):
-    """A record with a 1-token prompt and nothing generated is valid and verifies (no max() of nothing)."""
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    records = tmp_path / "r.jsonl"
-    records.write_text(json.dumps({"prompt_ids": [7], "completion_ids": [], "exit_loops": [], "logprobs": []}) + "\n")
-    rc, err = _verify_tiny(capsys, ckpt, records)
-    assert rc == 0, err
-
-
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool])
-def test_non_float_checkpoint_tensors_are_listed(tmp_path, dtype):
-    """Integer or bool tensors are refused (a silent cast would make up weights), every one listed."""
-    sd = {k: v.clone() for k, v in S.LoopedLM(S.Config(**TINY)).state_dict().items()}
-    names = ["lm_head.weight", "model.norm.weight"]
-    for k in names:
-        sd[k] = sd[k].to(dtype)
-    _write_hf_checkpoint(tmp_path, S.Config(**TINY), {"model.safetensors": sd})
-    with pytest.raises(ValueError, match="must be floating point") as e:
-        S.LoopedLM.from_pretrained(tmp_path)
-    assert all(k in str(e.value) for k in names), str(e.value)
-
-
-@pytest.mark.parametrize(
-    "index,needle",
-    [
-        ({"weight_map": {"lm_head.weight": "../elsewhere/x.safetensors"}}, "outside the checkpoint folder"),
-        ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "outside the checkpoint folder"),
-        ({"weight_map": ["model.safetensors"]}, "needs a non-empty object 'weight_map'"),
-        ([{"weight_map": {}}], "needs a non-empty object 'weight_map'"),
-        ({"weight_map": {"lm_head.weight": 3}}, "not a file name"),
-        ({"weight_map": {"lm_head.weight": "missing.safetensors"}}, "no such file"),
-    ],
-)
-def test_bad_index_is_refused(tmp_path, capsys, index, needle):
-    """A sharded index is validated (its JSON shape, its names, every shard inside the folder)."""
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "elsewhere").mkdir()
-    S.save_checkpoint(S.LoopedLM(S.Config(**TINY)), tmp_path / "elsewhere")  # a real file to be lured to
-    (tmp_path / "elsewhere" / "model.safetensors").rename(tmp_path / "elsewhere" / "x.safetensors")
-    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
-    assert rc == 2
-    _one_line_error(err, "model.safetensors.index.json", needle)
-
-
-HUGE_CONFIGS = [
-    {"vocab_size": 10**12},
-    {"hidden_size": 2**31},
-    {"intermediate_size": 10**12},
-    {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8},
-    {"head_dim": 2**32},
-    {"total_ut_steps": 10**9},
-    {"max_position_embeddings": 10**12},
-]
-
-
-@pytest.mark.parametrize("override", HUGE_CONFIGS)
-def test_huge_config_refused_before_allocation(tmp_path, capsys, override):
-    """A config that would need more than MAX_MODEL_BYTES is refused at once, with the bytes it needs."""
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps(TINY | override))
-    rc, err = _run(capsys, ["verify", "--config", str(cfg), "--rollouts", str(_good_records(tmp_path))])
-    assert rc == 2
-    _one_line_error(err, str(cfg), "bytes", "MAX_MODEL_BYTES")
-
-
-def test_ouro_1_4b_config_is_within_the_memory_limit():
-    """The real Ouro-1.4B shape must stay loadable under the limit (its KV is counted at 4096 positions)."""
-    ouro = {
-        "model_type": "ouro",
-        "vocab_size": 49152,
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "total_ut_steps": 4,
-        "max_position_embeddings": 65536,
-    }
-    cfg = S.Config.from_dict(ouro, "ouro")
-    assert sum(S._config_bytes(cfg).values()) < S.MAX_MODEL_BYTES
-
-
-def test_config_bytes_count_the_parameters():
-    """The memory estimate counts exactly the parameters the model allocates (8 bytes each)."""
-    cfg = S.Config(**TINY)
-    assert S._config_bytes(cfg)["parameters"] == 8 * sum(p.numel() for p in S.LoopedLM(cfg).parameters())
-
-
-def _bad_hf_config(path: Path, **override) -> Path:
-    d = S.config_to_hf(S.Config(**TINY)) | override
-    (path / "config.json").write_text(json.dumps(d))
-    return path
-
-
-@pytest.mark.parametrize(
-    "override,needle",
-    [
-        ({"rope_scaling": [1, 2]}, "'rope_scaling'"),
-        ({"layer_types": "full_attention"}, "'layer_types'"),
-        ({"layer_types": [1]}, "'layer_types'"),
-        ({"hidden_act": 3}, "'hidden_act'"),
-        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"),
-        ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
-        ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
-        ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
-        ({"initializer_range": float("nan")}, "'initializer_range'"),
-        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
-        ({"eos_token_id": ["a"]}, "'eos_token_id'"),
-    ],
-)
-def test_hf_config_keys_are_type_checked(tmp_path, capsys, override, needle):
-    """Every config key is type-checked (booleans too): a wrong type is an error naming it, not a traceback."""
-    ckpt = _bad_hf_config(_tiny_checkpoint(tmp_path / "m"), **override)
-    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
-    assert rc == 2
-    _one_line_error(err, str(ckpt / "config.json"), needle)
-
-
-def test_paths_are_checked(tmp_path, capsys):
-    """A --model that is a file, a config.json that is a folder, missing or folder inputs: one-line errors."""
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    records = _good_records(tmp_path)
-    rc, err = _verify_tiny(capsys, records, records)
-    assert rc == 2
-    _one_line_error(err, "--model", "is not a folder")
-    rc, err = _verify_tiny(capsys, ckpt, tmp_path)
-    assert rc == 2
-    _one_line_error(err, "--rollouts", "is not a file")
-    (ckpt / "config.json").unlink()
-    (ckpt / "config.json").mkdir()
-    rc, err = _verify_tiny(capsys, ckpt, records)
-    assert rc == 2
-    _one_line_error(err, "config.json", "is not a file")
-    rc, err = _run(capsys, ["train", "--config", str(tmp_path / "nope.json"), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    _one_line_error(err, "--config", "no such file")
-    rc, err = _run(capsys, ["train", "--data", str(tmp_path), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    _one_line_error(err, "--data", "is not a file")
-
-
-@pytest.mark.parametrize("content", [None, "{not json", '{"model": 3}'])
-def test_bad_tokenizer_is_one_line(tmp_path, capsys, content):
-    """train --model with a folder or a corrupt tokenizer.json: exit 2 naming it, no traceback."""
-    pytest.importorskip("tokenizers")
-    ckpt = _tiny_checkpoint(tmp_path / "m")
-    if content is None:
-        (ckpt / "tokenizer.json").mkdir()
-    else:
-        (ckpt / "tokenizer.json").write_text(content)
-    rc, err = _run(capsys, ["train", "--model", str(ckpt), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    _one_line_error(err, "tokenizer.json")
-
-
-# Raw record lines that no JSON reader should turn into a traceback: each must be exit 2 naming line 2.
-RAW_BAD_LINES = [
-    ("[" * 100_000 + "]" * 100_000, "nested deeper"),
-    (
-        '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
-        + "1" * 400
-        + "}",
-        "digits",
-    ),
-    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [-' + "1" * 400 + "]}", "digits"),
-    ('{"prompt_ids": [' + "1" * 5000 + '], "completion_ids": [], "exit_loops": [], "logprobs": []}', "digits"),
-]
-
-
-@pytest.mark.parametrize("line,needle", RAW_BAD_LINES)
-def test_hostile_json_lines_exit_2_naming_the_line(tmp_path, capsys, line, needle):
-    """Deep nesting and huge numbers are refused by limits, naming file and line (not RecursionError)."""
-    records = _good_records(tmp_path, line)
-    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
-    assert rc == 2
-    _one_line_error(err, f"{records}:2:", needle)
-
-
-def test_non_utf8_and_lone_surrogate_name_file_and_line(tmp_path, capsys):
-    """Bytes that are not UTF-8 and a prompt with a lone surrogate are errors naming file and line."""
-    records = tmp_path / "r.jsonl"
-    records.write_bytes(json.dumps(GOOD_RECORD).encode() + b"\n\xff\xfe\n")
-    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
-    assert rc == 2
-    _one_line_error(err, f"{records}:2:", "UTF-8")
-    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n{"prompt": "\\ud800"}\n')
-    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
-    assert rc == 2 and not out.exists()
-    _one_line_error(err, f"{prompts}:2:", "'prompt'")
-    prompts.write_text("[" * 100_000 + "\n")
-    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
-    assert rc == 2 and not out.exists()
-    _one_line_error(err, f"{prompts}:1:", "nested deeper")
-
-
-def _flags(tmp_path, command: str) -> list[str]:
-    """A valid command line for `command` on tiny inputs; a bad flag appended overrides a good one."""
-    records = _good_records(tmp_path)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n')
-    return {
-        "train": [
-            "train",
-            "--config",
-            TINY_JSON,
-            "--steps",
-            "1",
-            "--sft-steps",
-            "50",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        "verify": ["verify", "--config", TINY_JSON, "--rollouts", str(records)],
-        "rollout": ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(tmp_path / "out")],
-        "demo": ["demo", "--out", str(tmp_path / "out")],
-    }[command]
-
-
-BAD_FLAGS = [
-    ("verify", "--atol", "nan"),
-    ("verify", "--atol", "-1"),
-    ("verify", "--min-loops", "-1"),
-    ("verify", "--flip-margin", "nan"),
-    ("verify", "--exit-threshold", "inf"),
-    ("verify", "--init-seed", "-1"),
-    ("train", "--max-grad-norm", "nan"),
-    ("train", "--max-grad-norm", "-1"),
-    ("train", "--epsilon-low", "-1"),
-    ("train", "--epsilon-low", "inf"),
-    ("train", "--epsilon-low", "1e308"),
-    ("train", "--epsilon-high", "1e308"),
-    ("train", "--beta", "-1"),
-    ("train", "--beta", "nan"),
-    ("train", "--lr", "inf"),
-    ("train", "--lr", "-1"),
-    ("train", "--temperature", "inf"),
-    ("train", "--subset", "-1"),
-    ("train", "--prompts-per-step", str(10**30)),
-    ("train", "--steps", "0"),
-    ("train", "--mu", "0"),
-    ("train", "--group-size", "0"),
-    ("train", "--seed", "-1"),
-    ("train", "--save-every", "0"),
-    ("train", "--max-new-tokens", "0"),
-    ("train", "--device", "tpu"),
-    ("rollout", "--exit-threshold", "nan"),
-    ("rollout", "--eos-id", "-1"),
-    ("rollout", "--eos-id", str(10**30)),
-    ("rollout", "--temperature", "inf"),
-    ("rollout", "--max-new-tokens", "0"),
-    ("demo", "--lr", "nan"),
-    ("demo", "--problems", "0"),
-    ("demo", "--steps", "-1"),
-]
-
-
-@pytest.mark.parametrize("command,flag,value", BAD_FLAGS)
-def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, flag, value):
-    """Every flag is checked (finite, in range, integer) before any work: exit 2 naming the flag, no
-    output (the warm start has not run) and nothing written."""
-    rc, err = _run(capsys, _flags(tmp_path, command) + [flag, value])
-    assert rc == 2
-    _one_line_error(err, flag)
-    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
-
-
-def test_eos_id_outside_the_vocabulary_refused(tmp_path, capsys):
-    """--eos-id beyond the model's vocabulary is refused before sampling, writing nothing."""
-    rc, err = _run(capsys, _flags(tmp_path, "rollout") + ["--eos-id", "260"])
-    assert rc == 2 and not (tmp_path / "out").exists()
-    _one_line_error(err, "--eos-id 260")
-
-
-@pytest.mark.parametrize("out", ["/proc/scalerlt-issue14/run", "FILE"])
-def test_unwritable_out_refused_before_any_work(tmp_path, capsys, out):
-    """An --out that cannot be written (read-only file system, an existing file) is found up front."""
-    if out == "FILE":
-        out = str(tmp_path / "a-file")
-        Path(out).write_text("x")
-    rc, err = _run(capsys, _flags(tmp_path, "train")[:-1] + [out])
-    assert rc == 2
-    _one_line_error(err, "--out")
-    assert capsys.readouterr().out == ""
-
-
-def test_disk_error_is_one_line(tmp_path, capsys, monkeypatch):
-    """A full disk while saving is a one-line error naming the file, not a traceback."""
-
-    def full(out, *a, **k):
-        raise OSError(28, "No space left on device", str(out / "trainer_state.pt"))
-
-    monkeypatch.setattr(S, "save_trainer_state", full)
-    rc, err = _run(
-        capsys,
-        _flags(tmp_path, "train")[:-1]
-        + [
-            str(tmp_path / "run"),
-            "--sft-steps",
-            "0",
-            "--prompts-per-step",
-            "1",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "2",
-        ],
-    )
-    assert rc == 2
-    _one_line_error(err, "No space left on device", "trainer_state.pt")
-
-
-@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--max-grad-norm", "nan")])
-def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
-    """Past the flag checks (switched off here, as a caller that skips them would), an optimizer step that
-    writes non-finite weights stops training before the step is saved."""
-    out = tmp_path / "run"
-    args = S.build_parser().parse_args(
-        _flags(tmp_path, "train")[:-1]
-        + [
-            str(out),
-            "--sft-steps",
-            "0",
-            "--save-every",
-            "1",
-            "--reward",
-            "digits",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "4",
-            flag,
-            value,
-        ]
-    )
-    cfg = S.flags_from_args(args)
-    with pytest.raises(ValueError, match=flag):
-        S.check_flags(cfg)  # the checks refuse it first
-    monkeypatch.setattr(S, "check_flags", lambda flags: None)
-    with pytest.raises(S.NonFiniteError, match="parameters are not finite after the optimizer step"):
-        S.train(cfg, log=lambda *_: None)
-    assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
-
-
-def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys):
-    """--resume loads trainer_state.pt without unpickling (weights_only), drops and reports a torn last
-    metrics line, and removes temp files left by an interrupted write."""
-    out = tmp_path / "b"
-    assert _train(tmp_path, "--out", str(out), "--steps", "1") == 0
-    torch.load(out / "trainer_state.pt", weights_only=True)  # tensors and plain data only
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"step": 2, "reward": 0.5, "clip')  # a run killed mid-write
-    stale = out / ".model.safetensors.tmp999999999"  # no process has this pid
-    stale.write_bytes(b"half a file")
-    capsys.readouterr()
-    assert _train(tmp_path, "--out", str(out), "--resume") == 0
-    printed = capsys.readouterr().out
-    assert "dropped a torn last line" in printed and "removed" in printed and not stale.exists(), printed
-    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2], steps
-
-
-# --- fuzz: generated bad records and configs -------------------------------------------------------
-
-
-def _main_captured(argv: list[str]) -> tuple[int, str]:
-    """S.main with stdout and stderr captured (hypothesis tests cannot use the function-scoped capsys)."""
-    import io
-    from contextlib import redirect_stderr, redirect_stdout
-
-    err = io.StringIO()
-    with redirect_stderr(err), redirect_stdout(io.StringIO()):
-        rc = S.main(argv)
-    return rc, err.getvalue()
-
-
-_HUGE = 10**400  # json.dumps writes it; reading it must hit the number limit, not OverflowError
-_NOT_A_NUMBER = st.sampled_from([float("nan"), float("inf"), -float("inf"), "1", None, True, [1], {"a": 1}, _HUGE])
-_DEEP = st.integers(S.JSON_MAX_DEPTH, 3 * S.JSON_MAX_DEPTH).map(lambda n: json.loads("[" * n + "]" * n))
-
-
-@st.composite
-def bad_records(draw) -> str:
-    """One record line that must be refused: a good record with one field (or one element) made bad."""
-    rec = json.loads(json.dumps(GOOD_RECORD))
-    key = draw(st.sampled_from(["prompt_ids", "completion_ids", "exit_loops", "logprobs", "temperature", "whole"]))
-    if key == "whole":
-        return draw(st.sampled_from(['{"prompt_ids": [1', "[1, 2]", '"text"', "nul\x00l", "{}"]))
-    if key == "temperature":
-        rec[key] = draw(st.one_of(_NOT_A_NUMBER, st.sampled_from([-1.0, -1e-300, 5e-324]), _DEEP))
-    elif draw(st.booleans()):
-        rec[key] = draw(st.one_of(st.sampled_from([None, "x", 3, {"a": 1}, True]), _DEEP))
-    else:
-        i = draw(st.integers(0, len(rec[key]) - 1))
-        ids = st.sampled_from([-1, 50, 10**30, 1.5, "1", None, True, _HUGE])  # TINY's vocabulary is 0..49
-        bad = {
-            "prompt_ids": ids,
-            "completion_ids": ids,
-            "exit_loops": st.sampled_from([0, 3, -1, 1.0, "1", True]),
-            "logprobs": _NOT_A_NUMBER,
-        }[key]
-        rec[key][i] = draw(st.one_of(bad, _DEEP))
-    return json.dumps(rec)
-
-
-@examples(40)
-@given(line=bad_records())
-def test_fuzzed_bad_records_exit_2_naming_file_and_line(tmp_path_factory, line):
-    """Whatever is wrong with a record, verify exits 2 with one line naming the file and line, never a
-    traceback, never agreement."""
-    tmp = tmp_path_factory.mktemp("fuzz")
-    records = tmp / "r.jsonl"
-    records.write_text(json.dumps(GOOD_RECORD) + "\n" + line + "\n")
-    cfg = tmp / "cfg.json"
-    cfg.write_text(json.dumps(TINY))
-    rc, err = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
-    assert rc == 2, line
-    _one_line_error(err, f"{records}:2:")
-
-
-_INT_KEYS = [
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "total_ut_steps",
-    "max_position_embeddings",
-]
-_BAD_INT = st.sampled_from([0, -1, "4", 2.5, True, None, [1], float("nan"), 10**13, _HUGE])
-
-
-@st.composite
-def bad_configs(draw) -> tuple[str, object]:
-    """(key, value) that no config may have."""
-    return draw(
-        st.one_of(
-            st.tuples(st.sampled_from(_INT_KEYS), _BAD_INT),
-            st.tuples(st.just("head_dim"), st.sampled_from([-2, 3, "8", 2.5, True, [8], 2**40])),
-            st.tuples(
-                st.sampled_from(["early_exit_threshold", "rope_theta", "rms_norm_eps", "initializer_range"]),
-                st.sampled_from([float("nan"), float("inf"), "1", True, None, [1], _HUGE]),
-            ).filter(lambda kv: kv != ("early_exit_threshold", None)),  # null: no threshold, exit at R (issue 11)
-            st.tuples(st.sampled_from(["rope_theta", "rms_norm_eps", "initializer_range"]), st.just(-1.0)),
-            st.tuples(st.just("tie_word_embeddings"), st.sampled_from(["yes", 1, 0, float("nan"), [True], None])),
-            st.tuples(
-                st.sampled_from(["bos_token_id", "eos_token_id", "pad_token_id"]),
-                st.sampled_from([-1, 50, "1", 1.5, True, _HUGE]),
-            ),
-        )
-    )
-
-
-@examples(40)
-@given(bad=bad_configs())
-def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
-    """Whatever is wrong with a config key, verify exits 2 with one line naming the file and the key (or
-    the bytes the config would need), never a traceback and never an allocation."""
-    key, value = bad
-    tmp = tmp_path_factory.mktemp("fuzz")
-    cfg = tmp / "cfg.json"
-    cfg.write_text(json.dumps(TINY | {key: value}))
-    records = _good_records(tmp)
-    rc, msg = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
-    assert rc == 2, (key, value)
-    _one_line_error(msg, str(cfg))
-    assert repr(key) in msg or "bytes" in msg or "digits" in msg, msg
-
-
-def test_default_flags_pass_their_checks(tmp_path):
-    """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
-
-    def check(argv):
-        S.check_flags(S.flags_from_args(S.build_parser().parse_args(argv)))
-
-    check(["demo", "--out", str(tmp_path / "d")])
-    check(["bench"])
-    check(["train", "--device", "cpu"])
-    check(_flags(tmp_path, "verify"))
-    check(_flags(tmp_path, "rollout"))
-    with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
-        check(["bench", "--repeats", "0"])
-    assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
-
-
-@st.composite
-def bad_prompt_lines(draw) -> str:
-    """One prompts-file line that `rollout` must refuse (tiny.json: vocabulary 0..259)."""
-    ids = st.one_of(
-        st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]), _DEEP.map(lambda x: [x])
-    )
-    return draw(
-        st.one_of(
-            ids.map(lambda v: json.dumps({"prompt_ids": v})),
-            st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
-            st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
-            _DEEP.map(json.dumps),
-        )
-    )
-
-
-@examples(25)
-@given(line=bad_prompt_lines())
-def test_fuzzed_bad_prompts_exit_2_naming_file_and_line(tmp_path_factory, line):
-    """Whatever is wrong with a prompt line, rollout exits 2 naming file and line and writes nothing."""
-    tmp = tmp_path_factory.mktemp("fuzz")
-    prompts, out = tmp / "p.jsonl", tmp / "o.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")
-    rc, err = _main_captured(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
-    assert rc == 2 and not out.exists(), line
-    _one_line_error(err, f"{prompts}:2:")
-
-
-# ---------------------------------------------------------------------------------------------------
-# The learner, proven (issue 10)
-# ---------------------------------------------------------------------------------------------------
-
-
-class RecordingOptimizer(torch.optim.Optimizer):
-    """Stands in for grpo_update's optimizer: each step() records the parameters and the gradient it is
-    asked to apply (by name), then hands over to `inner` (None: the parameters never change)."""
-
-    def __init__(self, model: S.LoopedLM, inner: torch.optim.Optimizer | None = None):
-        super().__init__(list(model.parameters()), {})
-        self.names = [n for n, _ in model.named_parameters()]
-        self.inner = inner
-        self.records: list[tuple[dict, dict]] = []  # (parameters, gradients) at each step
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        ps = self.param_groups[0]["params"]
-        self.records.append(
-            (
-                {n: p.detach().clone() for n, p in zip(self.names, ps)},
-                {n: p.grad.clone() for n, p in zip(self.names, ps) if p.grad is not None},
-            )
-        )
-        if self.inner is not None:
-            self.inner.step()
-
-
-@st.composite
-def grpo_cases(draw) -> tuple[Case, int, torch.Tensor]:
-    """Two prompts x G = 2-3 completions each (groups contiguous), rewards with spread in group 1 (its
-    advantages are not all 0; group 2 may have none), on models whose float64 gradients are well
-    conditioned (TOLERANCE_INIT)."""
-    cfg = draw(configs(TOLERANCE_INIT))
-    G = draw(between(2, 3))
-    token = st.integers(0, cfg.vocab_size - 1)
-    prompts = [[draw(token) for _ in range(draw(between(1, 4)))] for _ in range(2)]
-    case = Case(
-        cfg=cfg,
-        model_seed=draw(st.integers(0, 2**16)),
-        prompts=[p for p in prompts for _ in range(G)],
-        threshold=draw(st.floats(0.3, 0.95)),
-        min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
-        seed=draw(st.integers(0, 2**16)),
-        max_new_tokens=draw(between(2, 5)),
-    )
-    rewards = [1.0, 0.0] + [draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])) for _ in range(2 * G - 2)]
-    return case, G, torch.tensor(rewards)
-
-
-def _grpo_rollout(case: Case, model: S.LoopedLM, mode: str) -> S.Rollout:
-    """A rollout whose sequences end at different lengths (the aggregations' normalisers differ): EOS is
-    sequence 0's first token, so sequence 0 stops there and others where they draw it. Sequences 0 and 1
-    (rewards 1 and 0) differ, or their gradients would cancel and the batch might teach nothing."""
-    first = case.rollout(model, mode=mode)
-    ro = case.rollout(model, mode=mode, eos_id=first.completions[0][0])
-    assume(ro.completions[0] != ro.completions[1])
-    return ro
-
-
-def _advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
-    """SPEC §6 written out: A = (r - mean of its group) / (unbiased std of its group + eps), float64."""
-    out = []
-    for start in range(0, len(rewards), G):
-        r = [float(x) for x in rewards[start : start + G]]
-        mean = sum(r) / G
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
-        out += [(x - mean) / (std + eps) for x in r]
-    return torch.tensor(out, dtype=torch.float64)
-
-
-def _sequence_weights(agg: str, mask: torch.Tensor) -> torch.Tensor:
-    """Each sequence's token weight in the loss: 1/(all tokens) for token_mean, 1/(B * its length) for
-    seq_mean_token_mean, 1/(B * max_new_tokens) for dr_grpo."""
-    lens = mask.sum(1).double()
-    B, N = mask.shape
-    return {
-        "token_mean": torch.full((B,), 1 / float(lens.sum()), dtype=torch.float64),
-        "seq_mean_token_mean": 1 / (B * lens),
-        "dr_grpo": torch.full((B,), 1 / (B * N), dtype=torch.float64),
-    }[agg]
-
-
-def _sequence_grads(model: S.LoopedLM, ro: S.Rollout) -> list[dict]:
-    """Per sequence b, by parameter name: the gradient of sum_t log pi(token_bt), teacher-forced, by autograd."""
-    tf = S.teacher_forced_logprobs(model, ro)  # (B, N)
-    params = dict(model.named_parameters())
-    out = []
-    for b in range(tf.shape[0]):
-        gs = torch.autograd.grad(
-            (tf[b] * ro.mask[b]).sum(), list(params.values()), retain_graph=True, allow_unused=True
-        )
-        out.append({n: g for n, g in zip(params, gs) if g is not None})
-    return out
-
-
-@examples(15)
-@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
-def test_first_iteration_applies_the_policy_gradient(gc, mode, agg):
-    """The gradient grpo_update hands its optimizer on iteration 1 is -sum_b w_b A_b grad log pi(seq b), with
-    A and w written out here (float64): a flipped sign, a 2x scale, unnormalised advantages or the
-    wrong normaliser all fail it. And the iteration-1 ratios are exactly 1: the value is the recorded one."""
-    case, G, rewards = gc
-    model = case.model(torch.float64)
-    ro = _grpo_rollout(case, model, mode)
-    opt = RecordingOptimizer(model)
-    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
-    assert len(opt.records) == 1
-    applied = opt.records[0][1]
-    A, w, seq = _advantages(rewards, G), _sequence_weights(agg, ro.mask), _sequence_grads(model, ro)
-    assert applied.keys() == seq[0].keys(), f"{sorted(applied)} vs {sorted(seq[0])}"
-    sensitive = False
-    for n in applied:
-        expect = -sum(w[b] * A[b] * seq[b][n] for b in range(len(seq)))
-        # rtol 1e-9 for float64 sums in another order; grpo_update's advantages are float32 (a few ulps
-        # of each A_b): 2^-20 of sum_b |w_b A_b grad_b| bounds that.
-        tol = 1e-12 + 1e-9 * expect.abs() + 2**-20 * sum((w[b] * A[b]).abs() * seq[b][n].abs() for b in range(len(seq)))
-        diff = (applied[n] - expect).abs()
-        assert bool((diff <= tol).all()), (
-            f"{n}: max |applied - expected| = {diff.max():.3e} (max |expected| {expect.abs().max():.3e}, {agg}, {mode})"
-        )
-        sensitive |= bool((expect.abs() > tol).any())  # where a 2x error (and so a sign flip) would show
-    assert sensitive, "the expected gradient is within tolerance of 0 everywhere: the test would be vacuous"
-    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_ratio"] == 0.0, m
-
-
-def _clone_with(model: S.LoopedLM, params: dict) -> S.LoopedLM:
-    """A copy of `model` whose parameters are `params` (by name)."""
-    probe = S.LoopedLM(model.config).to(model.dtype)
-    with torch.no_grad():
-        for n, p in probe.named_parameters():
-            p.copy_(params[n])
-    return probe
-
-
-@examples(8)
-@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), tight=st.sampled_from(["low", "high"]))
-def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, mode, agg, tight):
-    """Iteration 2 of mu = 2, after a real AdamW step, with one clip side binding (eps 1e-3; the other
-    side wide, so the tokens of the other sign still carry gradient): the gradient grpo_update applies
-    is autograd of grpo_loss(learner_logprobs) at the weights it had then (rtol 1e-9), and that is the
-    derivative of the loss's value (float64 central differences, h 1e-6, rtol 1e-5)."""
-    case, G, rewards = gc
-    model = case.model(torch.float64)
-    ro = _grpo_rollout(case, model, mode)
-    eps = {"epsilon_low": 1e-3, "epsilon_high": 10.0} if tight == "low" else {"epsilon_low": 0.99, "epsilon_high": 1e-3}
-    g = S.GRPOConfig(group_size=G, loss_agg=agg, mu=2, max_grad_norm=1e9, **eps)
-    opt = RecordingOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
-    S.grpo_update(model, opt, ro, rewards, g)
-    assert len(opt.records) == 2
-    theta, applied = opt.records[1]
-    probe = _clone_with(model, theta)
-    adv = S.group_advantages(rewards, G)
-
-    def loss(lp):
-        return S.grpo_loss(lp, ro.logprobs, adv, ro.mask, S.GRPOConfig(loss_agg=agg, **eps))
-
-    value, stats = loss(S.learner_logprobs(probe, ro)[0])
-    assert stats["clip_ratio"] > 0, f"nothing clipped at iteration 2: {stats}"
-    params = dict(probe.named_parameters())
-    auto = dict(zip(params, torch.autograd.grad(value, list(params.values()), allow_unused=True)))
-    assert {n for n, v in auto.items() if v is not None} == applied.keys()
-    for n in applied:
-        d = maxdiff(applied[n], auto[n])
-        assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"{n}: max |applied - autograd| = {d:.3e}"
-
-    def f():  # the loss's value is the replay's
-        return float(loss(S.replay_logprobs(probe, ro))[0])
-
-    h, checked = 1e-6, 0
-    names = sorted(applied)
-    for n in names[:: max(1, len(names) // 4)]:  # 4-5 tensors spread over the model
-        grad = applied[n].flatten()
-        for flat in {int(grad.abs().argmax()), grad.numel() // 2}:
-            p = params[n].data.view(-1)
-            old = p[flat].item()
-            p[flat] = old + h
-            up = f()
-            p[flat] = old - h
-            down = f()
-            p[flat] = old
-            fd, gv = (up - down) / (2 * h), grad[flat].item()
-            assert abs(fd - gv) <= 1e-5 * abs(gv) + 1e-8, f"{n}[{flat}]: finite difference {fd!r} vs applied {gv!r}"
-            checked += abs(gv) > 1e-6
-    assert checked, "every checked gradient entry is ~0: the comparison would be vacuous"
-
-
-@examples(10)
-@given(gc=grpo_cases(), mode=modes)
-def test_one_small_step_moves_log_probs_with_the_advantage(gc, mode):
-    """One small SGD step through grpo_update (float64) changes each sequence's teacher-forced log-prob
-    log pi(seq b) by what the policy gradient written out here predicts to first order (2%, plus 1e-3 of
-    the largest first-order change it could make): so sum_b w_b A_b log pi(seq b) rises, and a sequence
-    whose own term outweighs its interference with the others (|w_b A_b| |g_b|^2 > sum_c |w_c A_c g_b.g_c|)
-    rises if its advantage is positive and falls if it is negative. A flipped sign or a 2x step fails."""
-    case, G, rewards = gc
-    model = case.model(torch.float64)
-    ro = _grpo_rollout(case, model, mode)
-    A, w, seq = _advantages(rewards, G), _sequence_weights(agg := "token_mean", ro.mask), _sequence_grads(model, ro)
-    B, names = len(seq), list(seq[0])
-    flat = torch.stack([torch.cat([seq[b][n].flatten() for n in names]) for b in range(B)])  # (B, params)
-    pg = -((w * A)[:, None] * flat).sum(0)  # the loss's gradient
-    step = 1e-5  # the step's length in parameter space: small, so second-order terms stay far below 2%
-    lr = step / float(pg.norm())
-    before = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1)  # (B,)
-    S.grpo_update(
-        model,
-        torch.optim.SGD(model.parameters(), lr=lr),
-        ro,
-        rewards,
-        S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9),
-    )
-    change = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1) - before  # (B,)
-    predicted = flat @ (-lr * pg)  # (B,) first order: grad_b . step
-    tol = 0.02 * predicted.abs() + 1e-3 * step * flat.norm(dim=1)
-    diff = (change - predicted).abs()
-    assert bool((diff <= tol).all()), f"change {change.tolist()} vs predicted {predicted.tolist()} (tol {tol.tolist()})"
-    assert bool((predicted.abs() > tol).any()), "no predicted change exceeds the tolerance: the test would be vacuous"
-    assert float((w * A * change).sum()) > 0, f"the advantage-weighted log-likelihood fell: {change.tolist()}"
-    gram = flat @ flat.T  # (B, B) g_b . g_c
-    own = (w * A).abs() * gram.diagonal()
-    interference = ((w * A).abs()[None, :] * gram.abs()).sum(1) - own
-    for b in range(B):
-        if own[b] > interference[b] and A[b] != 0:
-            assert float(change[b]) * float(A[b]) > 0, f"sequence {b}: A {float(A[b]):+.3f}, change {change[b]:+.3e}"
-
-
-# ---------------------------------------------------------------------------------------------------
-# The oracle for real engines (issue 11)
-# ---------------------------------------------------------------------------------------------------
-
-
-def hf_exit_transcription(gate_list: list[torch.Tensor], threshold: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face modeling_ouro.py's exit arithmetic, transcribed as it runs there: vector ops over all
-    positions, one loop at a time, in the model dtype. gate_list: R tensors (B, T, 1) -> (exit loop (B, T),
-    1-based; the cumulative exit probabilities (B, T, R))."""
-    remaining = torch.ones_like(gate_list[0].squeeze(-1))  # (B, T)
-    pdf = []
-    for i, gate in enumerate(gate_list):
-        lam = torch.sigmoid(gate.squeeze(-1))  # (B, T)
-        if i < len(gate_list) - 1:
-            pdf.append(lam * remaining)
-            remaining = remaining * (1.0 - lam)
-        else:
-            pdf.append(remaining)
-    cumulative = torch.cumsum(torch.stack(pdf, dim=2), dim=2)  # (B, T, R)
-    if threshold is None:  # HF reads out the last loop's hidden state
-        return torch.full(cumulative.shape[:2], len(gate_list)), cumulative
-    reached = cumulative >= threshold
-    steps = torch.argmax(reached.float(), dim=2)  # the first loop that reaches it, 0-based
-    steps[~reached.any(dim=2)] = len(gate_list) - 1
-    return steps + 1, cumulative
-
-
-@st.composite
-def hf_gate_grids(draw) -> tuple[torch.Tensor, float | None]:
-    """Gate logits (R, B, T) in float32 or bfloat16 and a threshold (None, near a CDF, or exactly a
-    bfloat16 value). NOTE: float32 grids keep B*T < 32: from 32 gates on, torch's CPU sigmoid computes
-    most of a vector with another kernel than a lone element, and HF's own bits then depend on where a
-    position sits in its batch (see `_hf_cdf`); bfloat16 grids go up to 72 gates, where the kernels agree."""
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    R, B = draw(between(1, 5)), draw(between(1, 3))
-    T = draw(between(1, 10 if dtype == torch.float32 else 24))
-    scale = draw(st.sampled_from([1.0, 4.0, 12.0]))  # 12: sharp gates, CDFs that round to 1 in bfloat16
-    g = torch.randn(R, B, T, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16)))) * scale
-    g = g.to(dtype)
-    _, cum = hf_exit_transcription([x[..., None] for x in g], 0.5)
-    threshold = draw(
-        st.one_of(
-            st.none(),
-            st.floats(0.0, 1.1),
-            st.sampled_from(cum.flatten().tolist()),  # exactly a CDF: the >= in the comparison matters
-            # just above a CDF, by a quarter of its dtype's spacing: torch rounds the threshold down to the
-            # CDF before comparing, so HF exits there (an exact comparison would not)
-            st.sampled_from(cum.flatten().tolist()).map(lambda c: c + (2**-10 if dtype == torch.bfloat16 else 2**-26)),
-            st.sampled_from([0.7, 0.9, 0.99, 1.0, 1.001]),  # 0.7 and 1.001 round in bfloat16
-        )
-    )
-    return g, threshold
-
-
-@examples(40)
-@given(grid=hf_gate_grids())
-def test_hf_rule_is_hf_arithmetic_bitwise(grid):
-    """The "hf" rule is what an engine derived from modeling_ouro.py computes, bit for bit, per position
-    and in a batch of positions; otherwise the oracle would call a correct HF-derived engine wrong."""
-    g, threshold = grid  # (R, B, T)
-    R, B, T = g.shape
-    expect_exit, expect_cdf = hf_exit_transcription([x[..., None] for x in g], threshold)
-    per_position = g.permute(1, 2, 0).reshape(B * T, R)  # (B*T, R)
-    assert S.exit_loops(per_position, R, threshold, rule="hf") == expect_exit.flatten().tolist()
-    for i, (b, t) in enumerate((b, t) for b in range(B) for t in range(T)):
-        assert S.exit_cdf(per_position[i], R, "hf") == expect_cdf[b, t].tolist(), (b, t)
-        assert S.exit_loop(per_position[i], R, threshold, rule="hf") == int(expect_exit[b, t]), (b, t, threshold)
-
-
-@examples(25)
-@given(gates=gate_vectors, threshold=st.one_of(st.none(), st.floats(0.0, 1.2)), dtype=float_dtypes, data=st.data())
-def test_both_rules_decide_after_each_loop(gates, threshold, dtype, data):
-    """Deferred rollouts ask the rule after every loop: under both rules a prefix of the gates says None
-    before the exit loop and the exit loop from it on (None for the threshold: always loop R)."""
-    R, rule = len(gates), data.draw(st.sampled_from(S.EXIT_RULES))
-    min_loops = data.draw(st.integers(1, R))
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    e = S.exit_loop(g, R, threshold, min_loops, rule)
-    assert min_loops <= e <= R and (threshold is not None or e == R)
-    for r in range(1, R + 1):
-        assert S.exit_loop(g[:r], R, threshold, min_loops, rule) == (None if r < e else e), (r, e)
-
-
-@examples(40)
-@given(gates=gate_vectors, threshold=st.floats(0.0, 1.1), dtype=float_dtypes, rule=st.sampled_from(S.EXIT_RULES))
-def test_exit_margin_sign_is_the_rule_decision(gates, threshold, dtype, rule):
-    """The margin verify reports is measured against the threshold the rule really compares with (for hf,
-    rounded to the model dtype): margin >= 0 exactly where the rule would exit."""
-    R = len(gates)
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    margins = S.exit_margin(g, R, threshold, rule)  # (R,)
-    for r in range(1, R):
-        exits_at_r = S.exit_loop(g, R, threshold, r, rule) == r  # min_loops = r: may it exit at r?
-        assert exits_at_r == bool(margins[r - 1] >= 0), (r, float(margins[r - 1]))
-
-
-def test_hf_rule_rounds_the_threshold_like_torch():
-    """HF compares a bfloat16 CDF with a Python float, which torch first rounds to bfloat16: a CDF that
-    rounded to 1.0 at loop 1 exits there at threshold 1.001 (an exact comparison would run all loops)."""
-    g = torch.full((4,), 12.0, dtype=torch.bfloat16)  # sigmoid(12) = 0.999994 rounds to 1.0
-    assert S.exit_loop(g, 4, 1.001, rule="hf") == 1 and S.exit_loop(g, 4, 1.001, rule="survival") == 4
-    assert int(hf_exit_transcription([x.reshape(1, 1, 1) for x in g], 1.001)[0]) == 1
-
-
-def test_hf_and_survival_differ_in_bfloat16_at_threshold_one():
-    """Why two rules: with sharp gates at threshold 1.0, HF's bfloat16 CDF rounds to 1 at loop 2 and exits,
-    where SPEC §3's float32 CDF is still below 1 (it exits at loop 3)."""
-    g = torch.full((4,), 6.0, dtype=torch.bfloat16)
-    assert S.exit_loop(g, 4, 1.0, rule="hf") == 2 and S.exit_loop(g, 4, 1.0, rule="survival") == 3
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes, rule=st.sampled_from(S.EXIT_RULES))
-def test_replay_is_bitwise_under_both_rules(case, mode, dtype, rule):
-    """The exit rule is data: the rollout records it, the replay and the learner carry it, and the replay
-    reproduces the log-probs bit for bit under either rule."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_rule=rule)
-    assert ro.policy.exit_rule == rule and ro.schedule.policy is ro.policy
-    assert S.schedule_from_json(S.schedule_to_json(ro.schedule)).policy == ro.policy
-    replay = S.replay_logprobs(model, ro)
-    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
-    learner = S.learner_logprobs(model, ro)[0]
-    assert torch.equal(learner.detach().cpu(), ro.logprobs)
-
-
-@examples(10)
-@given(case=cases(), mode=modes, dtype=dtypes)
-def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
-    """Under invariant numerics the gates are the teacher-forced ones bit for bit, so every recorded exit
-    is the hf rule applied to the position's gates: the rollout really decides with the rule it names."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, numerics="invariant", exit_rule="hf")
-    gates = model.loop_outputs(ro.tokens(), "invariant").gate_logits  # (R, B, T)
-    R = case.cfg.total_ut_steps
-    for b, (p, e) in enumerate(zip(ro.prompts, ro.exit_loops)):
-        for k, ek in enumerate(e):
-            assert ek == S.exit_loop(gates[:, b, len(p) - 1 + k], R, case.threshold, case.min_loops, "hf"), (b, k)
-
-
-def test_old_schedule_json_reads_as_survival():
-    """Schedules written before exit rules were data were all decided by survival."""
-    d = {"mode": "dense", "numerics": "fast", "dtype": "torch.float32", "loops": 2, "calls": []}
-    assert S.schedule_from_json(json.dumps(d)).policy.exit_rule == "survival"
-
-
-def test_no_threshold_means_exit_at_R(tmp_path):
-    """A config without a threshold always reads out loop R (as HF does): in HF config.json files (absent
-    key: None, no longer 1.0) and tiny configs (null); rollouts under either rule exit at R."""
-    hf = {"model_type": "ouro", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1}
-    hf |= {"num_attention_heads": 2, "num_key_value_heads": 1, "total_ut_steps": 3, "max_position_embeddings": 64}
-    cfg = S.Config.from_dict(hf)
-    assert cfg.early_exit_threshold is None
-    assert S.Config.from_dict(S.config_to_hf(cfg)).early_exit_threshold is None  # null round-trips
-    assert S.Config.from_dict(TINY | {"early_exit_threshold": None}).early_exit_threshold is None
-    model = S.LoopedLM(cfg)
-    with torch.no_grad():
-        model.model.early_exit_gate.bias.fill_(30.0)  # saturated gates: a float32 CDF of 1.0 at loop 1
-    for rule in S.EXIT_RULES:
-        ro = sample(model, [[1, 2], [3]], max_new_tokens=4, exit_rule=rule)
-        assert all(e == 3 for seq in ro.exit_loops for e in seq), (rule, ro.exit_loops)
-
-
-def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None) -> tuple[S.LoopedLM, list[dict]]:
-    """The reference's own float64 rollouts as records (each temperature's rollout in turn)."""
-    model = S.LoopedLM(cfg or S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=0).double()
-    recs = []
-    for t in temperatures:
-        ro = sample(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
-                       temperature=t, seed=seed)  # fmt: skip
-        recs += S.rollout_records(ro)
-    return model, recs
-
-
-def test_sampler_test_accepts_the_reference_own_rollouts():
-    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each) its
-    p-values over 20 seeds are never below 1e-3 (under the null they are uniform: P(any < 1e-3) ~ 2%;
-    the seeds are fixed, so this cannot flake)."""
-    ps = []
-    for seed in range(20):
-        model, recs = _float64_records(seed=seed)
-        res = S.verify_records(model, recs, seed=seed)
-        s = S.verify_summary(recs, res, atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3)
-        assert s["sampler_tokens"] == 200 and s["mismatched_tokens"] == 0
-        ps.append(s["sampler_p_value"])
-    assert min(ps) >= 1e-3, ps
-
-
-def _write_records(path: Path, recs: list[dict]) -> Path:
-    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "line"}) + "\n" for r in recs))
-    return path
-
-
-def _verify_json(capsys, cfg_path: Path, records: Path, *extra: str) -> tuple[int, dict]:
-    capsys.readouterr()
-    rc = S.main(["verify", "--config", str(cfg_path), "--rollouts", str(records)] + list(extra))
-    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-
-
-def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
-    """An engine that samples at 0.8 but reports temperature 1.0, with log-probs correct for 1.0, passes
-    every log-prob and exit check; the sampler test catches it at 2,000 tokens (p < 1e-3: exit 1)."""
-    cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
-    model = S.LoopedLM(cfg, seed=0).double()
-    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
-    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, temperature=1.0))
-    lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie)))
-    assert s["sampler_tokens"] == 2000 and s["mismatched_tokens"] == 0 and s["exit_rule_violations"] == 0, s
-    assert rc == 1 and s["sampler_p_value"] < 1e-3, s
-    honest = S.rollout_records(ro)  # the same tokens, declared at 0.8: a correct engine
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "h.jsonl", honest))
-    assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
-
-
-def test_greedy_records_must_be_the_reference_argmax(tmp_path, capsys):
-    """Greedy records (temperature 0) are checked token by token: each must be the reference's argmax
-    (ties, and near-ties within 2 * atol, allowed). A non-argmax token with its correct log-prob fails."""
-    cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
-    model, recs = _float64_records(temperatures=(0.0,), prompts=4, new=8, cfg=cfg)
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "g.jsonl", recs), "--engine-dtype", "float64")
-    assert rc == 0 and s["greedy_tokens"] == 32 and s["greedy_mismatches"] == 0 and s["sampler_tokens"] == 0, s
-    ro = S.records_rollout(recs[:1])
-    ro.completions[0][-1] = (ro.completions[0][-1] + 1) % cfg.vocab_size  # the last token: no later position
-    recs[0]["completion_ids"] = ro.completions[0]
-    recs[0]["logprobs"] = S.teacher_forced_logprobs(model, ro).detach()[0].tolist()
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "g.jsonl", recs), "--engine-dtype", "float64")
-    assert rc == 1 and s["greedy_mismatches"] == 1 and s["mismatched_tokens"] == 0, s
-
-
-def test_verify_batched_equals_one_at_a_time():
-    """Batching is a speed-up only: per-sequence results equal one-sequence passes (float64; fast numerics
-    batch rows differently, so to 1e-12; exits, violations and the sampler's uniforms exactly)."""
-    model, recs = _float64_records(temperatures=(0.0, 0.7, 1.0), prompts=6, new=12)
-    recs[2]["exit_loops"][3] = recs[2]["exit_loops"][3] % 2 + 1  # a wrong depth, reported alike
-    recs[7]["completion_ids"], recs[7]["exit_loops"], recs[7]["logprobs"] = [], [], []  # an empty completion
-    batched = S.verify_records(model, recs, batch_size=16, seed=3)
-    for i, rec in enumerate(recs):
-        alone = S.verify_record(model, rec, seed=3, index=i)
-        for key in ("logprobs", "delta", "pit", "greedy_gap"):
-            if alone[key] is None:
-                assert batched[i][key] is None, (i, key)
-            else:
-                assert torch.allclose(alone[key], batched[i][key], rtol=0, atol=1e-12), (i, key)
-        assert alone["rule_exits"] == batched[i]["rule_exits"], i
-        assert [v | {"margin": None} for v in alone["violations"]] == [
-            v | {"margin": None} for v in batched[i]["violations"]
-        ]
-    assert len(batched[2]["violations"]) == 1
-
-
-def test_verify_summary_statistics_hand_computed():
-    """The summary's statistics on hand-made results: quantiles, the per-loop maximum, the ratio bands,
-    flips within the margin (not failures) and the first violation beyond it."""
-    recs = [
-        {"prompt_ids": [1], "completion_ids": [1, 2, 3, 4], "exit_loops": [1, 2, 2, 3], "logprobs": [0.0] * 4},
-        {"prompt_ids": [1], "completion_ids": [5], "exit_loops": [1], "logprobs": [0.0]},
-    ]
-    delta = [torch.tensor([0.0, 0.005, -0.02, 0.3], dtype=torch.float64), torch.tensor([-0.5], dtype=torch.float64)]
-    violations = [[], [{"token": 0, "recorded": 1, "rule": 2, "margin": -0.01}]]
-    results = [
-        {"logprobs": -d, "delta": d, "diff": d.abs(), "violations": v, "pit": None, "greedy_gap": None}
-        for d, v in zip(delta, violations)
-    ]
-    s = S.verify_summary(recs, results, atol=0.4, flip_margin=0.05, sampler_alpha=1e-3)
-    assert s["abs_diff_quantiles"] == pytest.approx({"p50": 0.02, "p90": 0.42, "p99": 0.492, "max": 0.5})
-    assert s["max_abs_diff_by_exit_loop"] == {"1": 0.5, "2": 0.02, "3": 0.3}
-    assert s["ratio_outside"] == {"0.01": 0.6, "0.2": 0.4}  # exp(-0.02) < 0.99; exp(0.3) > 1.2; exp(-0.5) < 0.8
-    assert (s["mismatched_tokens"], s["near_threshold_flips"], s["exit_rule_violations"]) == (1, 1, 0)
-    assert s["exit_agreement"] == pytest.approx(4 / 5) and not s["passed"]
-    s = S.verify_summary(recs, results, atol=0.6, flip_margin=0.001, sampler_alpha=1e-3)
-    assert s["exit_rule_violations"] == 1 and s["first_violation"] == {"sequence": 1, **violations[1][0]}
-
-
-def test_ks_p_values_match_the_tables():
-    """The KS p-value without scipy: the Kolmogorov distribution's known points, and the exact n = 10 and
-    n = 20 critical values at 5% (0.409, 0.294) and n = 10 at 1% (0.490) within a few percent."""
-    for lam, p in [(0.5, 0.9639), (1.0, 0.2700), (1.36, 0.0495), (1.63, 0.00985), (1.95, 0.0010)]:
-        assert S.kolmogorov_sf(lam) == pytest.approx(p, rel=0.01), lam
-    for n, d, p in [(10, 0.409, 0.05), (20, 0.294, 0.05), (10, 0.490, 0.01)]:
-        u = torch.tensor([(i + 1) / n - d for i in range(n)]).clamp(0, 1)  # D_n = d exactly (at the first gap)
-        D, pv = S.ks_uniform(u)
-        assert D == pytest.approx(d) and pv == pytest.approx(p, rel=0.05), (n, D, pv)
-
-
-@pytest.mark.parametrize("rule", S.EXIT_RULES)
-def test_verify_bfloat16_rollouts_of_the_reference(tmp_path, capsys, rule):
-    """A correct bfloat16 engine passes: the reference's own bfloat16 rollouts (tiny.json, whose random
-    weights amplify rounding the most of the configs measured), verified against the float64 model with
-    --engine-dtype bfloat16, exit 0 and report the distribution of the differences."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_ids": [i, 2 * i + 1, 7]}) + "\n" for i in range(8)))
-    out = tmp_path / "bf16.jsonl"
-    argv = ["--config", TINY_JSON, "--exit-rule", rule]
-    assert S.main(["rollout", *argv, "--prompts", str(prompts), "--out", str(out), "--dtype", "bfloat16"]) == 0
-    capsys.readouterr()
-    rc = S.main(["verify", *argv, "--rollouts", str(out), "--engine-dtype", "bfloat16"])
-    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 0 and s["tokens"] == 256 and s["exit_rule"] == rule and s["engine_dtype"] == "bfloat16", s
-    q = s["abs_diff_quantiles"]
-    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"] == s["max_abs_diff"] <= s["atol"], q
-    assert s["sampler_tokens"] == 256 and s["sampler_p_value"] >= 1e-3 and 0.9 <= s["exit_agreement"] <= 1.0, s
-
-
-def test_verify_plot(tmp_path, capsys):
-    """--plot writes the picture (|Δ log-prob| per token by exit loop, the sampler histogram)."""
-    pytest.importorskip("matplotlib")
-    _, recs = _float64_records(prompts=3, new=6)
-    records = _write_records(tmp_path / "r.jsonl", recs)
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(TINY | {"early_exit_threshold": 0.6}))
-    rc, s = _verify_json(capsys, cfg_path, records, "--plot", str(tmp_path / "v.png"))
-    assert rc == 0 and (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG", s
-
-
-NEW_BAD_FLAGS = [
-    ("verify", "--engine-dtype", "int8"),
-    ("verify", "--sampler-alpha", "2"),
-    ("verify", "--sampler-alpha", "nan"),
-    ("verify", "--batch-size", "0"),
-    ("verify", "--seed", "-1"),
-    ("verify", "--plot", "/proc/scalerlt-issue11/v.png"),
-    ("verify", "--exit-rule", "cdf"),
-    ("rollout", "--exit-rule", "cdf"),
-    ("train", "--exit-rule", "cdf"),
-    ("demo", "--exit-rule", "cdf"),
-]
-
-
-@pytest.mark.parametrize("command,flag,value", NEW_BAD_FLAGS)
-def test_new_flags_refused_before_any_work(tmp_path, capsys, command, flag, value):
-    """Issue 11's flags are checked before any work too: exit 2 naming the flag, nothing written."""
-    try:
-        rc, err = _run(capsys, _flags(tmp_path, command) + [flag, value])
-    except SystemExit as e:  # argparse refuses a value outside its choices itself, with its usage line
-        rc, err = e.code, capsys.readouterr().err
-        assert flag in err and "invalid choice" in err, err
-    else:
-        _one_line_error(err, flag)
-    assert rc == 2 and not (tmp_path / "out").exists()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Real-size checkpoints (issue 12)
-# ---------------------------------------------------------------------------------------------------
 
 
 def write_random_checkpoint(
@@ -2627,6 +574,1746 @@ def test_lean_load_equals_the_old_load(tmp_path_factory, file_dtype, dtype, shar
         assert torch.equal(lean.lm_head.weight, lean.model.embed_tokens.weight)
 
 
+# --- configs ---------------------------------------------------------------------------------------
+
+
+def test_every_tiny_config_loads():
+    """The shipped presets must stay loadable (strict loader) and build a working model."""
+    paths = sorted((HERE / "tiny_configs").glob("*.json"))
+    assert paths, "no tiny_configs/*.json"
+    for path in paths:
+        cfg = S.Config.from_json(path)
+        for k, v in json.loads(path.read_text()).items():
+            assert getattr(cfg, k) == v, (path.name, k)
+        out = S.LoopedLM(cfg).loop_outputs(torch.tensor([[0, 1]]))
+        assert out.logits.shape == (cfg.total_ut_steps, 1, 2, cfg.vocab_size), path.name
+
+
+# Known fields, and the two keys that mark a dict as an HF config.json (whose extra keys only warn).
+NOT_UNKNOWN = {f.name for f in dataclasses.fields(S.Config)} | {"model_type", "architectures"}
+
+
+@examples(10)
+@given(key=st.from_regex(r"[a-z][a-z_]{2,15}", fullmatch=True).filter(lambda k: k not in NOT_UNKNOWN))
+def test_unknown_config_key_is_named(key):
+    """A typo in a tiny config must not be silently ignored (it would change the model unnoticed)."""
+    with pytest.raises(ValueError, match=re.escape(repr(key))):
+        S.Config.from_dict(TINY | {key: 1}, "tiny.json")
+
+
+@examples(15)
+@given(
+    bad=st.one_of(
+        st.tuples(st.integers(8, 64), st.integers(2, 8))
+        .filter(lambda t: t[0] % t[1])
+        .map(
+            lambda t: ("num_attention_heads", dict(hidden_size=t[0], num_attention_heads=t[1], num_key_value_heads=1))
+        ),
+        st.tuples(st.integers(1, 8), st.integers(1, 8))
+        .filter(lambda t: t[0] % t[1])
+        .map(
+            lambda t: (
+                "num_key_value_heads",
+                dict(hidden_size=16 * t[0], num_attention_heads=t[0], num_key_value_heads=t[1]),
+            )
+        ),
+        st.integers(-3, 0).map(lambda r: ("total_ut_steps", dict(total_ut_steps=r))),
+    )
+)
+def test_impossible_config_is_refused_naming_key(bad):
+    """Impossible shapes must fail at load time, naming the key to fix, not deep inside a forward."""
+    key, override = bad
+    with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
+        S.Config.from_dict(TINY | override, "tiny.json")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. The exit rule, and the sampled exit policy
+# ---------------------------------------------------------------------------------------------------
+
+
+# Mostly moderate gate logits (CDFs spread over (0, 1)), some saturated ones (sigmoid rounds to 0 or 1).
+gate_vectors = st.lists(st.one_of(st.floats(-4, 4, width=32), st.floats(-30, 30, width=32)), min_size=1, max_size=6)
+float_dtypes = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
+
+
+@examples(25)
+@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
+def test_exit_rule_is_the_contract_formula(gates, dtype, data):
+    """Engines are judged by this rule, so it must be the contract's: first r >= min_loops with CDF_r >= tau."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    lam = [1 / (1 + math.exp(-float(x))) for x in g]  # float64, from the gates as the model holds them
+    cdf = [1 - math.prod(1 - x for x in lam[:r]) for r in range(1, R)]  # CDF_1 .. CDF_{R-1}; CDF_R = 1
+    near_a_cdf = st.sampled_from(cdf or [0.5]).flatmap(lambda c: st.floats(c - 0.05, c + 0.05))
+    threshold = data.draw(st.one_of(st.floats(0.0, 1.2), near_a_cdf))  # near a CDF is where rules differ
+
+    def rule(t):
+        return next((r for r in range(min_loops, R) if cdf[r - 1] >= t), R)
+
+    # Tolerance: the module decides in float32 (float64 for float64 gates), so only a threshold clear of
+    # every CDF by 1e-5 has one right answer at both precisions.
+    expected = rule(threshold - 1e-5)
+    assume(expected == rule(threshold + 1e-5))
+    assert S.exit_loop(g, R, threshold, min_loops) == expected, (cdf, threshold, min_loops)
+
+
+@examples(25)
+@given(gates=gate_vectors, t=st.lists(st.floats(0.0, 1.2), min_size=2, max_size=2), dtype=float_dtypes, data=st.data())
+def test_exit_is_monotone_in_threshold(gates, t, dtype, data):
+    """A stricter threshold can only make a token think longer; otherwise the threshold is no dial."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    lo, hi = sorted(t)
+    e_lo, e_hi = S.exit_loop(g, R, lo, min_loops), S.exit_loop(g, R, hi, min_loops)
+    assert 1 <= e_lo <= e_hi <= R, (e_lo, e_hi)
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.floats(0.0, 1.0), dtype=float_dtypes, data=st.data())
+def test_exit_respects_min_loops(gates, threshold, dtype, data):
+    """min_loops is a floor on compute; an exit before it would read out an unfinished token."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    e = S.exit_loop(torch.tensor(gates, dtype=dtype), R, threshold, min_loops)
+    assert min_loops <= e <= R
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.floats(1.0 + 2**-20, 4.0), dtype=float_dtypes)
+@example(gates=[30.0, 0.0, 0.0], threshold=1.0 + 1e-9, dtype=torch.float32)  # the rounding window (1, 1 + 2**-24]
+def test_threshold_above_one_runs_all_loops(gates, threshold, dtype):
+    """CDF_r <= 1 for r < R, so a threshold above 1 means "no early exit" (HF's setting), also in the
+    window (1, 1 + 2**-24] where the threshold rounds to 1.0 in float32 (a regression)."""
+    assert S.exit_loop(torch.tensor(gates, dtype=dtype), len(gates), threshold) == len(gates)
+
+
+@examples(25)
+@given(gates=gate_vectors, threshold=st.one_of(st.none(), st.floats(0.0, 1.2)), dtype=float_dtypes, data=st.data())
+@pytest.mark.parametrize("rule", S.EXIT_RULES)
+def test_exit_is_undecided_until_it_is_decided(gates, threshold, dtype, data, rule):
+    """The rollout asks after every loop (deferred ones too): under both rules a prefix of the gates says
+    None before the exit loop, never a wrong loop, and the exit loop from it on (None for the threshold:
+    always loop R)."""
+    R = len(gates)
+    min_loops = data.draw(st.integers(1, R))
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    e = S.exit_loop(g, R, threshold, min_loops, rule)
+    assert min_loops <= e <= R and (threshold is not None or e == R)
+    for r in range(1, R + 1):
+        assert S.exit_loop(g[:r], R, threshold, min_loops, rule) == (None if r < e else e), (r, e)
+
+
+# --- the hf rule: Hugging Face's arithmetic --------------------------------------------------------
+
+
+def hf_exit_transcription(gate_list: list[torch.Tensor], threshold: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face modeling_ouro.py's exit arithmetic, transcribed as it runs there: vector ops over all
+    positions, one loop at a time, in the model dtype. gate_list: R tensors (B, T, 1) -> (exit loop (B, T),
+    1-based; the cumulative exit probabilities (B, T, R))."""
+    remaining = torch.ones_like(gate_list[0].squeeze(-1))  # (B, T)
+    pdf = []
+    for i, gate in enumerate(gate_list):
+        lam = torch.sigmoid(gate.squeeze(-1))  # (B, T)
+        if i < len(gate_list) - 1:
+            pdf.append(lam * remaining)
+            remaining = remaining * (1.0 - lam)
+        else:
+            pdf.append(remaining)
+    cumulative = torch.cumsum(torch.stack(pdf, dim=2), dim=2)  # (B, T, R)
+    if threshold is None:  # HF reads out the last loop's hidden state
+        return torch.full(cumulative.shape[:2], len(gate_list)), cumulative
+    reached = cumulative >= threshold
+    steps = torch.argmax(reached.float(), dim=2)  # the first loop that reaches it, 0-based
+    steps[~reached.any(dim=2)] = len(gate_list) - 1
+    return steps + 1, cumulative
+
+
+@st.composite
+def hf_gate_grids(draw) -> tuple[torch.Tensor, float | None]:
+    """Gate logits (R, B, T) in float32 or bfloat16 and a threshold (None, near a CDF, or exactly a
+    bfloat16 value). NOTE: float32 grids keep B*T < 32: from 32 gates on, torch's CPU sigmoid computes
+    most of a vector with another kernel than a lone element, and HF's own bits then depend on where a
+    position sits in its batch (see `_hf_cdf`); bfloat16 grids go up to 72 gates, where the kernels agree."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    R, B = draw(between(1, 5)), draw(between(1, 3))
+    T = draw(between(1, 10 if dtype == torch.float32 else 24))
+    scale = draw(st.sampled_from([1.0, 4.0, 12.0]))  # 12: sharp gates, CDFs that round to 1 in bfloat16
+    g = torch.randn(R, B, T, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**16)))) * scale
+    g = g.to(dtype)
+    _, cum = hf_exit_transcription([x[..., None] for x in g], 0.5)
+    threshold = draw(
+        st.one_of(
+            st.none(),
+            st.floats(0.0, 1.1),
+            st.sampled_from(cum.flatten().tolist()),  # exactly a CDF: the >= in the comparison matters
+            # just above a CDF, by a quarter of its dtype's spacing: torch rounds the threshold down to the
+            # CDF before comparing, so HF exits there (an exact comparison would not)
+            st.sampled_from(cum.flatten().tolist()).map(lambda c: c + (2**-10 if dtype == torch.bfloat16 else 2**-26)),
+            st.sampled_from([0.7, 0.9, 0.99, 1.0, 1.001]),  # 0.7 and 1.001 round in bfloat16
+        )
+    )
+    return g, threshold
+
+
+@examples(40)
+@given(grid=hf_gate_grids())
+def test_hf_rule_is_hf_arithmetic_bitwise(grid):
+    """The "hf" rule is what an engine derived from modeling_ouro.py computes, bit for bit, per position
+    and in a batch of positions; otherwise the oracle would call a correct HF-derived engine wrong."""
+    g, threshold = grid  # (R, B, T)
+    R, B, T = g.shape
+    expect_exit, expect_cdf = hf_exit_transcription([x[..., None] for x in g], threshold)
+    per_position = g.permute(1, 2, 0).reshape(B * T, R)  # (B*T, R)
+    assert S.exit_loops(per_position, R, threshold, rule="hf") == expect_exit.flatten().tolist()
+    for i, (b, t) in enumerate((b, t) for b in range(B) for t in range(T)):
+        assert S.exit_cdf(per_position[i], R, "hf") == expect_cdf[b, t].tolist(), (b, t)
+        assert S.exit_loop(per_position[i], R, threshold, rule="hf") == int(expect_exit[b, t]), (b, t, threshold)
+
+
+@examples(40)
+@given(gates=gate_vectors, threshold=st.floats(0.0, 1.1), dtype=float_dtypes, rule=st.sampled_from(S.EXIT_RULES))
+def test_exit_margin_sign_is_the_rule_decision(gates, threshold, dtype, rule):
+    """The margin verify reports is measured against the threshold the rule really compares with (for hf,
+    rounded to the model dtype): margin >= 0 exactly where the rule would exit."""
+    R = len(gates)
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    margins = S.exit_margin(g, R, threshold, rule)  # (R,)
+    for r in range(1, R):
+        exits_at_r = S.exit_loop(g, R, threshold, r, rule) == r  # min_loops = r: may it exit at r?
+        assert exits_at_r == bool(margins[r - 1] >= 0), (r, float(margins[r - 1]))
+
+
+def test_hf_rule_rounds_the_threshold_like_torch():
+    """HF compares a bfloat16 CDF with a Python float, which torch first rounds to bfloat16: a CDF that
+    rounded to 1.0 at loop 1 exits there at threshold 1.001 (an exact comparison would run all loops)."""
+    g = torch.full((4,), 12.0, dtype=torch.bfloat16)  # sigmoid(12) = 0.999994 rounds to 1.0
+    assert S.exit_loop(g, 4, 1.001, rule="hf") == 1 and S.exit_loop(g, 4, 1.001, rule="survival") == 4
+    assert int(hf_exit_transcription([x.reshape(1, 1, 1) for x in g], 1.001)[0]) == 1
+
+
+def test_hf_and_survival_differ_in_bfloat16_at_threshold_one():
+    """Why two rules: with sharp gates at threshold 1.0, HF's bfloat16 CDF rounds to 1 at loop 2 and exits,
+    where the survival rule's float32 CDF is still below 1 (it exits at loop 3)."""
+    g = torch.full((4,), 6.0, dtype=torch.bfloat16)
+    assert S.exit_loop(g, 4, 1.0, rule="hf") == 2 and S.exit_loop(g, 4, 1.0, rule="survival") == 3
+
+
+@examples(10)
+@given(case=cases(), mode=modes, dtype=dtypes)
+def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
+    """Under invariant numerics the gates are the teacher-forced ones bit for bit, so every recorded exit
+    is the hf rule applied to the position's gates: the rollout really decides with the rule it names."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics="invariant", exit_rule="hf")
+    gates = model.loop_outputs(ro.tokens(), "invariant").gate_logits  # (R, B, T)
+    R = case.cfg.total_ut_steps
+    assert [len(e) for e in ro.exit_loops] == [case.max_new_tokens] * len(case.prompts)
+    for b, (p, e) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        for k, ek in enumerate(e):
+            assert ek == S.exit_loop(gates[:, b, len(p) - 1 + k], R, case.threshold, case.min_loops, "hf"), (b, k)
+
+
+def test_no_threshold_means_exit_at_R(tmp_path):
+    """A config without a threshold always reads out loop R (as HF does): in HF config.json files (absent
+    key: None, no longer 1.0) and tiny configs (null); rollouts under either rule exit at R."""
+    hf = {"model_type": "ouro", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1}
+    hf |= {"num_attention_heads": 2, "num_key_value_heads": 1, "total_ut_steps": 3, "max_position_embeddings": 64}
+    cfg = S.Config.from_dict(hf)
+    assert cfg.early_exit_threshold is None
+    assert S.Config.from_dict(S.config_to_hf(cfg)).early_exit_threshold is None  # null round-trips
+    assert S.Config.from_dict(TINY | {"early_exit_threshold": None}).early_exit_threshold is None
+    model = S.LoopedLM(cfg)
+    with torch.no_grad():
+        model.model.early_exit_gate.bias.fill_(30.0)  # saturated gates: a float32 CDF of 1.0 at loop 1
+    for rule in S.EXIT_RULES:
+        ro = sample(model, [[1, 2], [3]], max_new_tokens=4, exit_rule=rule)
+        assert [len(seq) for seq in ro.exit_loops] == [4, 4]
+        assert all(e == 3 for seq in ro.exit_loops for e in seq), (rule, ro.exit_loops)
+
+
+# --- sampled exits: the exit is an action drawn from p(r) ------------------------------------------
+
+
+def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.Tensor:
+    """log p(exit = e) written from the contract alone, float64: gates (R,) -> sum over the loops that draw of
+    log(1 - lambda) before e, plus log lambda_e unless e = R (the last loop takes the rest)."""
+    R, lam = gates.numel(), torch.sigmoid(gates.double())
+    if e < min_loops:
+        return torch.tensor(-math.inf, dtype=torch.float64)
+    out = sum((torch.log1p(-lam[j - 1]) for j in range(min_loops, e)), torch.zeros((), dtype=torch.float64))
+    return out + torch.log(lam[e - 1]) if e < R else out
+
+
+@examples(25)
+@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
+def test_exit_logprob_is_the_contract_formula(gates, dtype, data):
+    """`exit_logprob` is the contract's log p(e) (conditioned on e >= min_loops): by hand to rounding, -inf
+    before min_loops, 0 for padding, and its exponentials sum to 1 over the loops it can exit at."""
+    R = len(gates)
+    g = torch.tensor(gates, dtype=dtype)  # (R,)
+    m = data.draw(between(1, R))
+    exits = torch.tensor([0] + list(range(1, R + 1)))  # (R + 1,): padding, then every loop
+    lp = S.exit_logprob(g.expand(R + 1, R), exits, m)  # (R + 1,)
+    assert lp.dtype == S.acc_dtype(dtype) and lp[0] == 0
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for e in range(1, R + 1):
+        want = _exit_logprob_by_hand(g, e, m)
+        if e < m:
+            assert lp[e] == -math.inf
+        elif math.isfinite(want):
+            assert abs(float(lp[e]) - float(want)) <= tol * (1 + abs(float(want))), (e, float(lp[e]), float(want))
+    total = float(lp[m:].double().exp().sum())
+    assert abs(total - 1) <= 10 * tol, total
+
+
+def _chi2_sf(x: float, k: int) -> float:
+    """P(chi^2_k > x), from Q(k + 2) = Q(k) + (x/2)^(k/2) e^(-x/2) / Gamma(k/2 + 1), Q(1) = erfc(sqrt(x/2)),
+    Q(2) = e^(-x/2). No scipy needed."""
+    q, j = (math.erfc(math.sqrt(x / 2)), 1) if k % 2 else (math.exp(-x / 2), 2)
+    while j < k:
+        q += math.exp((j / 2) * math.log(x / 2) - x / 2 - math.lgamma(j / 2 + 1)) if x > 0 else 0.0
+        j += 2
+    return q
+
+
+def _expected_exit_pmf(gates: torch.Tensor, min_loops: int, shift: float = 0.0) -> list[float]:
+    """p(r) for r = 1..R, float64, written out: lambda_r prod_{min_loops <= j < r}(1 - lambda_j), p(R) the
+    rest, 0 before min_loops (`shift` moves every gate logit: a deliberately wrong policy)."""
+    lam, R = torch.sigmoid(gates.double() + shift).tolist(), gates.numel()
+    p, survive = [0.0] * R, 1.0
+    for r in range(min_loops, R + 1):
+        p[r - 1] = survive * (lam[r - 1] if r < R else 1.0)
+        survive *= 1 - lam[r - 1]
+    return p
+
+
+@pytest.mark.parametrize("min_loops", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["dense", "deferred"])
+def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
+    """4,000 sequences share one prompt and draw one token each: their exit loops are 4,000 independent
+    draws from one p(r) (the contract's, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
+    written out here (float64, from the teacher-forced gates) must not reject at 1e-3. That is the
+    false-alarm rate per case (6 cases: 0.6% for the whole test under the null); the seeds are fixed, so
+    it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted by
+    0.2 are rejected (p < 1e-6)."""
+    cfg = S.Config(**(TINY | dict(total_ut_steps=4)))
+    model = S.LoopedLM(cfg, seed=min_loops)
+    with torch.no_grad():  # moderate gates (lambda ~ 0.2-0.6): every loop's expected count is >= 200
+        model.model.early_exit_gate.weight.mul_(0.1)
+        model.model.early_exit_gate.bias.fill_(-0.7)
+    prompt, n = [3, 1, 4], 4000
+    ro = sample(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
+    gates = model.loop_outputs(torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
+    assert [len(e) for e in ro.exit_loops] == [1] * n
+    counts = Counter(e[0] for e in ro.exit_loops)
+    assert all(r >= min_loops for r in counts), counts
+
+    def p_value(pmf: list[float]) -> float:
+        cells = [r for r in range(1, cfg.total_ut_steps + 1) if pmf[r - 1] > 0]
+        assert all(n * pmf[r - 1] >= 50 for r in cells), pmf  # the chi-square approximation holds
+        x2 = sum((counts[r] - n * pmf[r - 1]) ** 2 / (n * pmf[r - 1]) for r in cells)
+        return _chi2_sf(x2, len(cells) - 1)
+
+    p_right = p_value(_expected_exit_pmf(gates, min_loops))
+    assert p_right >= 1e-3, (
+        f"exit loops {dict(counts)} vs p(r) {_expected_exit_pmf(gates, min_loops)}: p = {p_right:.2e}"
+    )
+    assert p_value(_expected_exit_pmf(gates, min_loops, shift=0.2)) < 1e-6
+    # Each sequence's one exit log-prob is log p(e) of its own draw.
+    want = torch.tensor([math.log(_expected_exit_pmf(gates, min_loops)[e[0] - 1]) for e in ro.exit_loops])
+    assert maxdiff(ro.exit_logprobs[:, 0].double(), want) < 1e-5
+
+
+def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
+    """The default policy: exit log-probs are 0 (its exits are not actions), records carry no
+    "exit_logprobs", and an explicit exit_policy="threshold" is the default bit for bit."""
+    model = S.LoopedLM(S.Config(**TINY), seed=0)
+    a = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1)
+    b = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
+    assert a.policy.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
+    assert a.completions == b.completions and a.exit_loops == b.exit_loops and torch.equal(a.logprobs, b.logprobs)
+    records = S.rollout_records(a)
+    assert len(records) == 2 and all("exit_logprobs" not in r for r in records)
+    with pytest.raises(ValueError, match="threshold rule"):
+        sample(model, [[1]], exit_policy="sampled", exit_rule="hf")
+    with pytest.raises(ValueError, match="exit policy"):
+        sample(model, [[1]], exit_policy="always")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Replay reproduces a rollout bit for bit
+# ---------------------------------------------------------------------------------------------------
+
+
+@examples(22)
+@given(case=cases(), mode=modes, dtype=dtypes)
+@pytest.mark.parametrize(
+    "exit_policy,rule", [("threshold", "survival"), ("threshold", "hf"), ("sampled", "survival")]
+)  # sampled exits need no threshold arithmetic, and the hf rule is only that: the two do not combine
+def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
+    """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1, for the
+    joint policy too: with sampled exits a step's log-prob has two parts and the replay reproduces both
+    bit for bit, also from a schedule read back from JSON, under either exit rule; the rule, the exit
+    policy and min_loops are data that the rollout records and the replay and the learner carry."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics="fast", exit_rule=rule, exit_policy=exit_policy)
+    assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
+    assert [len(e) for e in ro.exit_loops] == ro.mask.sum(1).tolist()
+    assert ro.policy.exit_rule == rule and ro.schedule.policy is ro.policy
+    assert ro.policy.exit_policy == exit_policy and ro.policy.min_loops == case.min_loops
+    assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
+    assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
+    schedule = S.schedule_from_json(S.schedule_to_json(ro.schedule))
+    assert schedule.policy == ro.policy
+    for r in (ro, dataclasses.replace(ro, schedule=schedule)):
+        tok, ext = S.replay_logprobs(model, r, with_exits=True)
+        assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
+        assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
+    learner = S.learner_logprobs(model, ro)[0]
+    assert torch.equal(learner.detach().cpu(), ro.logprobs)
+
+
+@examples(25)
+@given(case=cases(), mode=modes, numerics=st.sampled_from(S.NUMERICS), dtype=dtypes)
+def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
+    """The schedule is data an engine can hand over: what comes back from JSON must replay exactly."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics=numerics)
+    text = S.schedule_to_json(ro.schedule)
+    schedule = S.schedule_from_json(text)
+    assert S.schedule_to_json(schedule) == text
+    replay = S.replay_logprobs(model, dataclasses.replace(ro, schedule=schedule))
+    assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
+
+
+def test_old_schedule_json_reads_as_survival():
+    """Schedules written before exit rules were data were all decided by survival."""
+    d = {"mode": "dense", "numerics": "fast", "dtype": "torch.float32", "loops": 2, "calls": []}
+    assert S.schedule_from_json(json.dumps(d)).policy.exit_rule == "survival"
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6)), mode=modes, dtype=dtypes)
+def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
+    """Sequences of different lengths must replay exactly too (masks, padding, early stops)."""
+    model = case.model(dtype)
+    eos = case.rollout(model, mode=mode).completions[0][0]
+    ro = case.rollout(model, mode=mode, eos_id=eos)
+    assert len(ro.completions[0]) == 1
+    assert torch.equal(S.replay_logprobs(model, ro), ro.logprobs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. Dense, deferred and teacher-forced compute the same policy
+# ---------------------------------------------------------------------------------------------------
+
+
+@examples(23)
+@given(case=cases(), dtype=dtypes)
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_policy):
+    """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits. With
+    sampled exits dense and deferred make the same draws in the same order, so tokens, exits and both
+    log-probs agree bit for bit, and so does the teacher-forced forward (both parts)."""
+    model = case.model(dtype)
+    dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy=exit_policy)
+    deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy=exit_policy)
+    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
+    assert torch.equal(dense.mask, deferred.mask)
+    d = maxdiff(dense.logprobs, deferred.logprobs)
+    assert torch.equal(dense.logprobs, deferred.logprobs), f"dense vs deferred: max |diff| = {d:.3e}"
+    d = maxdiff(dense.exit_logprobs, deferred.exit_logprobs)
+    assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), f"exits, dense vs deferred: max |diff| = {d:.3e}"
+    tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
+    assert not bool(tok[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
+    assert torch.equal(tok, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
+    assert torch.equal(ext, dense.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, dense.exit_logprobs):.3e}"
+
+
+def _first_divergence(a: S.Rollout, b: S.Rollout, seq: int) -> int:
+    """Index of the first completion token where the two rollouts' tokens or exit loops differ."""
+    pairs = list(
+        zip(
+            zip(a.completions[seq], a.exit_loops[seq], strict=True),
+            zip(b.completions[seq], b.exit_loops[seq], strict=True),
+            strict=False,
+        )
+    )
+    return next((k for k, (x, y) in enumerate(pairs) if x != y), len(pairs))
+
+
+@examples(25)
+@given(case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6)))
+def test_fast_schedules_agree_to_rounding(case):
+    """Under fast numerics dense, deferred and teacher-forced compute one policy, up to rounding."""
+    model = case.model(torch.float32)
+    dense = case.rollout(model, mode="dense", numerics="fast")
+    deferred = case.rollout(model, mode="deferred", numerics="fast")
+    # Tolerance: float32 rounding differs between batch shapes (README, "Why fast numerics differ in bits");
+    # it may flip a token or an exit, after which the sequences legitimately part, so compare up to the first
+    # difference.
+    for b in range(len(case.prompts)):
+        k = _first_divergence(dense, deferred, b)
+        d = maxdiff(dense.logprobs[b, :k], deferred.logprobs[b, :k])
+        assert d <= 1e-5, f"sequence {b}, tokens 0..{k - 1}: dense vs deferred max |diff| = {d:.3e}"
+    # Teacher forcing runs every position in one call (the most different batch shape), so 2e-5; its
+    # exits are data, so it never diverges.
+    tf = S.teacher_forced_logprobs(model, dense, numerics="fast").detach()
+    d = maxdiff(tf[dense.mask], dense.logprobs[dense.mask])
+    assert d <= 2e-5, f"teacher-forced vs dense: max |diff| = {d:.3e}"
+
+
+@examples(20)
+@given(
+    case=cases(init=TOLERANCE_INIT, new_tokens=(2, 6), batch=(1, 3), temperatures=(0.0, 0.7, 1.0, 1.5)),
+    mode=modes,
+    numerics=st.sampled_from(S.NUMERICS),
+)
+def test_float64_rollout_matches_full_recompute(case, mode, numerics):
+    """Caches, deferral and exits must not change the policy: each step recomputed from scratch agrees."""
+    model = case.model(torch.float64)
+    ro = case.rollout(model, mode=mode, numerics=numerics)
+    R, t = case.cfg.total_ut_steps, case.temperature if case.temperature > 0 else 1.0
+    assert [len(c) for c in ro.completions] == [case.max_new_tokens] * len(case.prompts)
+    worst = 0.0
+    for b, prompt in enumerate(ro.prompts):
+        for k, tok in enumerate(ro.completions[b]):
+            logits, gates = slow_loop_outputs(model, torch.tensor([prompt + ro.completions[b][:k]]))  # prefix
+            e = S.exit_loop(gates[:, 0, -1], R, case.threshold, case.min_loops)
+            assert e == ro.exit_loops[b][k], f"sequence {b} token {k}: exit {ro.exit_loops[b][k]}, twin {e}"
+            logp = torch.log_softmax(logits[e - 1, 0, -1] / t, dim=-1)  # (V,)
+            if case.temperature == 0:
+                assert tok == int(logp.argmax()), f"greedy token {k} of sequence {b} is not the argmax"
+            worst = max(worst, abs(float(logp[tok]) - float(ro.logprobs[b, k])))
+    # Tolerance: the twin's float64 operations differ from the module's (order of sums, rsqrt).
+    assert worst <= 1e-12, f"max |logprob diff| = {worst:.3e}"
+
+
+@examples(10)
+@given(
+    logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5),
+    seed=st.integers(0, 2**16),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+)
+def test_sampling_follows_the_policy(logits, temperature, seed):
+    """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
+    logp = S.policy_logprobs(torch.tensor([logits]), temperature)[0]  # (V,)
+    gen, n = torch.Generator().manual_seed(seed), 3000
+    counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
+    for v, p in enumerate(logp.double().exp().tolist()):
+        # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
+        assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
+
+
+@examples(23)
+@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_sequence_does_not_depend_on_its_batch(case, mode, data, exit_policy):
+    """Per-sequence generators + invariant numerics: batching and sharding must not change a sequence. One
+    generator per sequence serves its exit draws (sampled exits) and its token draws in a fixed order: a
+    sequence sampled alone is the one sampled in a batch, exits and both log-probs included."""
+    model = case.model()
+    i = data.draw(st.integers(0, len(case.prompts) - 1))
+    batch = case.rollout(model, mode=mode, numerics="invariant", exit_policy=exit_policy)
+    alone = dataclasses.replace(case, prompts=[case.prompts[i]])
+    alone = alone.rollout(model, mode=mode, numerics="invariant", exit_policy=exit_policy, sequence_ids=[i])
+    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
+    d = maxdiff(alone.logprobs[0], batch.logprobs[i])
+    assert torch.equal(alone.logprobs[0], batch.logprobs[i]), f"alone vs in a batch: max |diff| = {d:.3e}"
+    assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i])
+
+
+@examples(25)
+@given(case=cases(new_tokens=(3, 6)), mode=modes)
+def test_eos_ends_sequence_and_masks_the_rest(case, mode):
+    """After EOS nothing may be sampled or trained on; before it nothing may change."""
+    model = case.model()
+    full = case.rollout(model, mode=mode, numerics="invariant")
+    eos = full.completions[0][1]  # a token that really occurs
+    ro = case.rollout(model, mode=mode, numerics="invariant", eos_id=eos)
+    N = case.max_new_tokens
+    assert len(ro.completions) == len(full.completions) == len(case.prompts)
+    for b, c in enumerate(full.completions):
+        n = c.index(eos) + 1 if eos in c else len(c)
+        assert ro.completions[b] == c[:n] and ro.exit_loops[b] == full.exit_loops[b][:n], b
+        assert ro.mask[b].tolist() == [k < n for k in range(N)], b
+        assert torch.equal(ro.logprobs[b, :n], full.logprobs[b, :n]) and not bool(ro.logprobs[b, n:].any()), b
+    assert ro.completions[0][-1] == eos and len(ro.completions[0]) <= 2
+
+
+def test_last_exited_is_a_different_policy():
+    """KV-copy semantics differ from exact ones as soon as a generated token exits early."""
+    model = S.LoopedLM(S.Config.from_json(TINY_JSON))
+    ro = sample(model, [[5, 6, 7]], mode="deferred", numerics="invariant", max_new_tokens=8, seed=3)
+    assert any(e < 4 for e in ro.exit_loops[0][1:-1]), "this seed must give an early exit"
+    other = S.teacher_forced_logprobs(
+        model, dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, kv="last_exited")), "invariant"
+    ).detach()
+    exact = S.teacher_forced_logprobs(model, ro, "invariant").detach()
+    assert torch.equal(exact, ro.logprobs) and not torch.equal(other, exact)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Deferral does the work it claims
+# ---------------------------------------------------------------------------------------------------
+
+
+@examples(25)
+@given(case=cases(), mode=modes)
+def test_each_loop_of_each_position_computed_once_in_order(case, mode):
+    """Exact KV means each (sequence, position, loop) is computed once, after its loop r - 1."""
+    ro = case.rollout(case.model(), mode=mode, numerics="fast")
+    units = [(b, p, c.loop) for c in ro.schedule.calls for b, p in c.rows]
+    dup = [u for u, n in Counter(units).items() if n > 1]
+    assert not dup, f"computed more than once: {dup[:5]}"
+    loops_of: dict = {}
+    for b, p, r in units:
+        loops_of.setdefault((b, p), []).append(r)
+    # every prompt position and every sampled token but the last (nothing reads past it) is computed
+    assert len(loops_of) == sum(len(p) + len(c) - 1 for p, c in zip(ro.prompts, ro.completions)), len(loops_of)
+    for (b, p), rs in loops_of.items():
+        assert rs == list(range(1, len(rs) + 1)), f"sequence {b} position {p} computed loops {rs}"
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6)))
+def test_deferred_never_does_more_work_than_dense(case):
+    """Deferral exists to skip loops; it must never add row-loops for the same tokens."""
+    model = case.model()
+    dense = case.rollout(model, mode="dense", numerics="invariant")
+    deferred = case.rollout(model, mode="deferred", numerics="invariant")
+    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
+    assert deferred.schedule.row_loops() <= dense.schedule.row_loops()
+    assert len(deferred.schedule.calls) <= len(dense.schedule.calls)
+
+
+@examples(25)
+@given(case=cases(), threshold=st.floats(1.5, 3.0))
+def test_without_early_exits_deferred_is_dense(case, threshold):
+    """When every token runs all R loops there is nothing to defer: the schedules must coincide."""
+    model = case.model()
+    dense = case.rollout(model, mode="dense", exit_threshold=threshold, min_loops=1)
+    deferred = case.rollout(model, mode="deferred", exit_threshold=threshold, min_loops=1)
+    R = case.cfg.total_ut_steps
+    assert [len(es) for es in dense.exit_loops] == [case.max_new_tokens] * len(case.prompts)
+    assert all(e == R for es in dense.exit_loops for e in es)
+    calls = lambda ro: [(c.loop, list(c.rows), list(c.readout)) for c in ro.schedule.calls]  # noqa: E731
+    assert calls(deferred) == calls(dense)
+
+
+@examples(25)
+@given(case=cases(new_tokens=(2, 6), batch=(1, 1)))
+def test_deferred_step_makes_e_new_calls(case):
+    """The speed claim: a lone sequence's step costs e_new loop calls, not R."""
+    ro = case.rollout(case.model(), mode="deferred", numerics="fast")
+    assert len(ro.exit_loops[0]) == case.max_new_tokens
+    steps, current = [], []
+    for c in ro.schedule.calls:
+        current.append(c.loop)
+        if c.readout:  # the readout row ends a step: its token is sampled here
+            assert c.readout == [(0, len(case.prompts[0]) - 1 + len(steps))], c.readout
+            steps.append(current)
+            current = []
+    assert not current, f"calls after the last readout: {current}"
+    assert steps == [list(range(1, e + 1)) for e in ro.exit_loops[0]], (steps, ro.exit_loops[0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. The learner: the replay's value, the teacher-forced gradient, the policy gradient applied
+# ---------------------------------------------------------------------------------------------------
+
+
+def _grads(model: S.LoopedLM, logp: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> dict:
+    model.zero_grad(set_to_none=True)
+    (weights * logp * mask).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@examples(23)
+@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics, exit_policy):
+    """The learner must be exactly on-policy in value and exactly the dense gradient, both at once; with
+    sampled exits the exit log-prob goes through the same hybrid, and the exit gate learns too."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode, numerics="fast", exit_policy=exit_policy)
+    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
+    joint, tf = S.learner_logprobs(model, ro, numerics=tf_numerics)  # (B, N) each: tokens' and exits' parts
+    replay_tok, replay_ext = S.replay_logprobs(model, ro, with_exits=True)
+    assert torch.equal(replay_tok, ro.logprobs) and torch.equal(replay_ext, ro.exit_logprobs)
+    assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)  # threshold: exit log-probs are 0
+    g_hybrid = _grads(model, joint, weights, ro.mask)
+    g_tf = _grads(
+        model, S.joint_logprobs(ro, *S.teacher_forced_logprobs(model, ro, tf_numerics, True)), weights, ro.mask
+    )
+    # Threshold exits are data (stop-gradient), so the exit gate is the one parameter with no gradient;
+    # sampled exits are actions, and log p(e) depends on the gates whenever a loop draws (min_loops < R).
+    gate = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
+    learns = exit_policy == "sampled" and case.min_loops < case.cfg.total_ut_steps
+    expected = {n for n, _ in model.named_parameters() if learns or n not in gate}
+    assert g_tf.keys() == expected, f"gradients on {sorted(g_tf)}, expected {sorted(expected)}"
+    assert g_hybrid.keys() == g_tf.keys()
+    for n in g_tf:
+        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
+
+
+@examples(15)
+@given(case=cases(), mode=modes, dtype=dtypes)
+def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
+    """On-policy means on-policy: with the weights that sampled, the hybrid's value (learner_logprobs) is
+    the sampler's recorded log-probs bit for bit, float32 and bfloat16, dense and deferred; and
+    grpo_update's first iteration takes that value, not the teacher-forced one (which differs in the last
+    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode)
+    value = S.learner_logprobs(model, ro)[0].detach()
+    assert torch.equal(value, ro.logprobs), f"max |diff| = {maxdiff(value, ro.logprobs):.3e}"
+    B = len(ro.prompts)
+    rewards = torch.arange(B, dtype=torch.float32) % 2  # one group: advantages not all 0 when B > 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=B, epsilon_low=1e-6, epsilon_high=1e-6))
+    assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
+
+
+@examples(10)
+@given(case=cases(), mode=modes, dtype=dtypes, data=st.data())
+def test_replay_mismatch_refuses_the_step(case, mode, dtype, data):
+    """One recorded log-prob off by one ulp (np.nextafter): grpo_update raises ReplayMismatchError before
+    any optimizer step; the parameters and the optimizer state are untouched."""
+    model = case.model(dtype)
+    ro = case.rollout(model, mode=mode)
+    b, k = data.draw(st.sampled_from(ro.mask.nonzero().tolist()))
+    v = ro.logprobs[b, k].item()
+    ro.logprobs[b, k] = float(np.nextafter(np.float32(v), np.float32(-np.inf)))
+    assert ro.logprobs[b, k].item() != v
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    B = len(ro.prompts)
+    with pytest.raises(S.ReplayMismatchError):
+        S.grpo_update(model, opt, ro, torch.arange(B, dtype=torch.float32) % 2, S.GRPOConfig(group_size=B))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} changed: max |diff| = {maxdiff(p, before[n]):.3e}"
+    assert not opt.state, "the optimizer stepped"
+
+
+# --- the gradient grpo_update applies is the policy gradient ---------------------------------------
+
+
+class RecordingOptimizer(torch.optim.Optimizer):
+    """Stands in for grpo_update's optimizer: each step() records the parameters and the gradient it is
+    asked to apply (by name), then hands over to `inner` (None: the parameters never change)."""
+
+    def __init__(self, model: S.LoopedLM, inner: torch.optim.Optimizer | None = None):
+        super().__init__(list(model.parameters()), {})
+        self.names = [n for n, _ in model.named_parameters()]
+        self.inner = inner
+        self.records: list[tuple[dict, dict]] = []  # (parameters, gradients) at each step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        ps = self.param_groups[0]["params"]
+        self.records.append(
+            (
+                {n: p.detach().clone() for n, p in zip(self.names, ps)},
+                {n: p.grad.clone() for n, p in zip(self.names, ps) if p.grad is not None},
+            )
+        )
+        if self.inner is not None:
+            self.inner.step()
+
+
+@st.composite
+def grpo_cases(draw) -> tuple[Case, int, torch.Tensor]:
+    """Two prompts x G = 2-3 completions each (groups contiguous), rewards with spread in group 1 (its
+    advantages are not all 0; group 2 may have none), on models whose float64 gradients are well
+    conditioned (TOLERANCE_INIT)."""
+    cfg = draw(configs(TOLERANCE_INIT))
+    G = draw(between(2, 3))
+    token = st.integers(0, cfg.vocab_size - 1)
+    prompts = [[draw(token) for _ in range(draw(between(1, 4)))] for _ in range(2)]
+    case = Case(
+        cfg=cfg,
+        model_seed=draw(st.integers(0, 2**16)),
+        prompts=[p for p in prompts for _ in range(G)],
+        threshold=draw(st.floats(0.3, 0.95)),
+        min_loops=draw(st.one_of(st.just(1), between(1, cfg.total_ut_steps))),
+        seed=draw(st.integers(0, 2**16)),
+        max_new_tokens=draw(between(2, 5)),
+    )
+    rewards = [1.0, 0.0] + [draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])) for _ in range(2 * G - 2)]
+    return case, G, torch.tensor(rewards)
+
+
+def _grpo_rollout(case: Case, model: S.LoopedLM, mode: str, exit_policy: str = "threshold") -> S.Rollout:
+    """A rollout whose sequences end at different lengths (the aggregations' normalisers differ): EOS is
+    sequence 0's first token, so sequence 0 stops there and others where they draw it. Sequences 0 and 1
+    (rewards 1 and 0) differ in their tokens or exit loops, or their gradients would cancel and the batch
+    might teach nothing."""
+    first = case.rollout(model, mode=mode, exit_policy=exit_policy)
+    ro = case.rollout(model, mode=mode, exit_policy=exit_policy, eos_id=first.completions[0][0])
+    assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
+    return ro
+
+
+def _advantages(rewards: torch.Tensor, G: int, eps: float = 1e-4) -> torch.Tensor:
+    """The contract's advantage, written out: A = (r - mean of its group) / (unbiased std of its group + eps),
+    float64."""
+    out = []
+    for start in range(0, len(rewards), G):
+        r = [float(x) for x in rewards[start : start + G]]
+        mean = sum(r) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+        out += [(x - mean) / (std + eps) for x in r]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _sequence_weights(agg: str, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's token weight in the loss: 1/(all tokens) for token_mean, 1/(B * its length) for
+    seq_mean_token_mean, 1/(B * max_new_tokens) for dr_grpo."""
+    lens = mask.sum(1).double()
+    B, N = mask.shape
+    return {
+        "token_mean": torch.full((B,), 1 / float(lens.sum()), dtype=torch.float64),
+        "seq_mean_token_mean": 1 / (B * lens),
+        "dr_grpo": torch.full((B,), 1 / (B * N), dtype=torch.float64),
+    }[agg]
+
+
+def _sequence_grads(model: S.LoopedLM, ro: S.Rollout, with_exits: bool = False) -> list[dict]:
+    """Per sequence b, by parameter name: the gradient of sum_t log pi(token_bt), teacher-forced, by autograd;
+    `with_exits` adds each sampled exit's log p(e_bt), written here from the plain forward's gates (float64)."""
+    tf = S.teacher_forced_logprobs(model, ro)  # (B, N)
+    gates = model.loop_outputs(ro.tokens()).gate_logits if with_exits else None  # (R, B, T), differentiable
+    params = dict(model.named_parameters())
+    out = []
+    for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        logp = (tf[b] * ro.mask[b]).sum()
+        if with_exits:
+            logp = logp + sum(
+                _exit_logprob_by_hand(gates[:, b, len(prompt) - 1 + k], e, ro.policy.min_loops)
+                for k, e in enumerate(exits)
+            )
+        gs = torch.autograd.grad(logp, list(params.values()), retain_graph=True, allow_unused=True)
+        out.append({n: g for n, g in zip(params, gs) if g is not None})
+    return out
+
+
+@examples(14)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_first_iteration_applies_the_policy_gradient(gc, mode, agg, exit_policy):
+    """The gradient grpo_update hands its optimizer on iteration 1 is -sum_b w_b A_b grad log pi(seq b), with
+    A and w written out here (float64): a flipped sign, a 2x scale, unnormalised advantages or the
+    wrong normaliser all fail it. With sampled exits log pi(seq b) includes sum_t log p(exit), written out
+    here from the gates: dropping the exit term (the gate would get no gradient), its sign or its scale
+    fails too. And the iteration-1 ratios (of the joint policy) are exactly 1: the value is the recorded one."""
+    case, G, rewards = gc
+    sampled = exit_policy == "sampled"
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode, exit_policy)
+    opt = RecordingOptimizer(model)
+    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
+    assert len(opt.records) == 1 and m["exact/mismatched_tokens"] == 0
+    assert not sampled or m["exact/mismatched_exit_logprobs"] == 0, m
+    applied = opt.records[0][1]
+    A, w, seq = _advantages(rewards, G), _sequence_weights(agg, ro.mask), _sequence_grads(model, ro, sampled)
+    assert applied.keys() == seq[0].keys(), f"{sorted(applied)} vs {sorted(seq[0])}"
+    learns = sampled and case.min_loops < case.cfg.total_ut_steps  # a loop draws: log p(e) depends on the gates
+    assert ("model.early_exit_gate.bias" in applied) == learns
+    sensitive = False
+    for n in applied:
+        expect = -sum(w[b] * A[b] * seq[b][n] for b in range(len(seq)))
+        # rtol 1e-9 for float64 sums in another order; grpo_update's advantages are float32 (a few ulps
+        # of each A_b): 2^-20 of sum_b |w_b A_b grad_b| bounds that.
+        tol = 1e-12 + 1e-9 * expect.abs() + 2**-20 * sum((w[b] * A[b]).abs() * seq[b][n].abs() for b in range(len(seq)))
+        diff = (applied[n] - expect).abs()
+        assert bool((diff <= tol).all()), (
+            f"{n}: max |applied - expected| = {diff.max():.3e} (max |expected| {expect.abs().max():.3e}, {agg}, {mode})"
+        )
+        sensitive |= bool((expect.abs() > tol).any())  # where a 2x error (and so a sign flip) would show
+    assert sensitive, "the expected gradient is within tolerance of 0 everywhere: the test would be vacuous"
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_ratio"] == 0.0, m
+
+
+def _clone_with(model: S.LoopedLM, params: dict) -> S.LoopedLM:
+    """A copy of `model` whose parameters are `params` (by name)."""
+    probe = S.LoopedLM(model.config).to(model.dtype)
+    with torch.no_grad():
+        for n, p in probe.named_parameters():
+            p.copy_(params[n])
+    return probe
+
+
+@examples(8)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), tight=st.sampled_from(["low", "high"]))
+def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, mode, agg, tight):
+    """Iteration 2 of mu = 2, after a real AdamW step, with one clip side binding (eps 1e-3; the other
+    side wide, so the tokens of the other sign still carry gradient): the gradient grpo_update applies
+    is autograd of grpo_loss(learner_logprobs) at the weights it had then (rtol 1e-9), and that is the
+    derivative of the loss's value (float64 central differences, h 1e-6, rtol 1e-5)."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    eps = {"epsilon_low": 1e-3, "epsilon_high": 10.0} if tight == "low" else {"epsilon_low": 0.99, "epsilon_high": 1e-3}
+    g = S.GRPOConfig(group_size=G, loss_agg=agg, mu=2, max_grad_norm=1e9, **eps)
+    opt = RecordingOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0))
+    S.grpo_update(model, opt, ro, rewards, g)
+    assert len(opt.records) == 2
+    theta, applied = opt.records[1]
+    probe = _clone_with(model, theta)
+    adv = S.group_advantages(rewards, G)
+
+    def loss(lp):
+        return S.grpo_loss(lp, ro.logprobs, adv, ro.mask, S.GRPOConfig(loss_agg=agg, **eps))
+
+    value, stats = loss(S.learner_logprobs(probe, ro)[0])
+    assert stats["clip_ratio"] > 0, f"nothing clipped at iteration 2: {stats}"
+    params = dict(probe.named_parameters())
+    auto = dict(zip(params, torch.autograd.grad(value, list(params.values()), allow_unused=True)))
+    assert {n for n, v in auto.items() if v is not None} == applied.keys()
+    for n in applied:
+        d = maxdiff(applied[n], auto[n])
+        assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"{n}: max |applied - autograd| = {d:.3e}"
+
+    def f():  # the loss's value is the replay's
+        return float(loss(S.replay_logprobs(probe, ro))[0])
+
+    h, checked = 1e-6, 0
+    names = sorted(applied)
+    for n in names[:: max(1, len(names) // 4)]:  # 4-5 tensors spread over the model
+        grad = applied[n].flatten()
+        for flat in {int(grad.abs().argmax()), grad.numel() // 2}:
+            p = params[n].data.view(-1)
+            old = p[flat].item()
+            p[flat] = old + h
+            up = f()
+            p[flat] = old - h
+            down = f()
+            p[flat] = old
+            fd, gv = (up - down) / (2 * h), grad[flat].item()
+            assert abs(fd - gv) <= 1e-5 * abs(gv) + 1e-8, f"{n}[{flat}]: finite difference {fd!r} vs applied {gv!r}"
+            checked += abs(gv) > 1e-6
+    assert checked, "every checked gradient entry is ~0: the comparison would be vacuous"
+
+
+@examples(10)
+@given(gc=grpo_cases(), mode=modes)
+def test_one_small_step_moves_log_probs_with_the_advantage(gc, mode):
+    """One small SGD step through grpo_update (float64) changes each sequence's teacher-forced log-prob
+    log pi(seq b) by what the policy gradient written out here predicts to first order (2%, plus 1e-3 of
+    the largest first-order change it could make): so sum_b w_b A_b log pi(seq b) rises, and a sequence
+    whose own term outweighs its interference with the others (|w_b A_b| |g_b|^2 > sum_c |w_c A_c g_b.g_c|)
+    rises if its advantage is positive and falls if it is negative. A flipped sign or a 2x step fails."""
+    case, G, rewards = gc
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    A, w, seq = _advantages(rewards, G), _sequence_weights(agg := "token_mean", ro.mask), _sequence_grads(model, ro)
+    B, names = len(seq), list(seq[0])
+    flat = torch.stack([torch.cat([seq[b][n].flatten() for n in names]) for b in range(B)])  # (B, params)
+    pg = -((w * A)[:, None] * flat).sum(0)  # the loss's gradient
+    step = 1e-5  # the step's length in parameter space: small, so second-order terms stay far below 2%
+    lr = step / float(pg.norm())
+    before = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1)  # (B,)
+    S.grpo_update(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        ro,
+        rewards,
+        S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9),
+    )
+    change = (S.teacher_forced_logprobs(model, ro).detach() * ro.mask).sum(1) - before  # (B,)
+    predicted = flat @ (-lr * pg)  # (B,) first order: grad_b . step
+    tol = 0.02 * predicted.abs() + 1e-3 * step * flat.norm(dim=1)
+    diff = (change - predicted).abs()
+    assert bool((diff <= tol).all()), f"change {change.tolist()} vs predicted {predicted.tolist()} (tol {tol.tolist()})"
+    assert bool((predicted.abs() > tol).any()), "no predicted change exceeds the tolerance: the test would be vacuous"
+    assert float((w * A * change).sum()) > 0, f"the advantage-weighted log-likelihood fell: {change.tolist()}"
+    gram = flat @ flat.T  # (B, B) g_b . g_c
+    own = (w * A).abs() * gram.diagonal()
+    interference = ((w * A).abs()[None, :] * gram.abs()).sum(1) - own
+    for b in range(B):
+        if own[b] > interference[b] and A[b] != 0:
+            assert float(change[b]) * float(A[b]) > 0, f"sequence {b}: A {float(A[b]):+.3f}, change {change[b]:+.3e}"
+
+
+def test_teacher_forced_gradient_finite_differences():
+    """The teacher-forced gradient is the true derivative (float64 central differences, rtol 1e-6)."""
+    cfg = S.Config(
+        vocab_size=30,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        total_ut_steps=3,
+        early_exit_threshold=0.6,
+        initializer_range=0.5,
+        max_position_embeddings=32,
+    )
+    model = S.LoopedLM(cfg, seed=1).double()
+    ro = sample(model, [[1, 2, 3], [4, 5]], mode="deferred", max_new_tokens=4, seed=2)
+    w = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * ro.mask
+    f = lambda: float((S.teacher_forced_logprobs(model, ro) * w).sum())  # noqa: E731
+    model.zero_grad()
+    (S.teacher_forced_logprobs(model, ro) * w).sum().backward()
+    params = dict(model.named_parameters())
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm_2.weight",
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    ]:
+        p = params[name]
+        for flat in [0, p.numel() // 2, p.numel() - 1]:
+            idx = np.unravel_index(flat, tuple(p.shape))
+            with torch.no_grad():
+                old = p[idx].item()
+                p[idx] = old + 1e-6
+                up = f()
+                p[idx] = old - 1e-6
+                down = f()
+                p[idx] = old
+            fd, g = (up - down) / 2e-6, p.grad[idx].item()
+            assert abs(fd - g) <= 1e-6 * max(1.0, abs(g)) + 1e-7, f"{name}{idx}: fd {fd} vs grad {g}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. GRPO's pieces, hand-checked
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_hand_computed():
+    """Advantages are the hand-computed values for each scaling (a wrong std or mean would show)."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    s_group = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    s_batch = math.sqrt(1.5 / 7)  # unbiased std of the 8 rewards
+    expect = {
+        "group": [0.5 / (s_group + 1e-4), -0.5 / (s_group + 1e-4)] * 2 + [0.0] * 4,
+        "batch": [0.5 / (s_batch + 1e-4), -0.5 / (s_batch + 1e-4)] * 2 + [0.0] * 4,
+        "none": [0.5, -0.5] * 2 + [0.0] * 4,
+    }
+    for scale, e in expect.items():
+        e = (
+            torch.tensor([e[0], e[1], e[1], e[0]] + e[4:])
+            if scale != "none"
+            else torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+        )
+        got = S.group_advantages(r, 4, scale)
+        assert torch.allclose(got, e, atol=1e-6), f"{scale}: max diff {(got - e).abs().max()}"
+
+
+@pytest.mark.parametrize("agg,expect", [("token_mean", -0.25), ("seq_mean_token_mean", 0.5), ("dr_grpo", -0.125)])
+def test_loss_aggregations_hand_computed(agg, expect):
+    """Each aggregation divides by what its paper says (tokens, per-sequence means, B * N)."""
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -2.0])
+    loss, stats = S.grpo_loss(logp, logp.clone(), adv, mask, S.GRPOConfig(loss_agg=agg))
+    assert abs(float(loss) - expect) < 1e-7, f"{agg}: {float(loss)} != {expect}"
+    assert stats["clip_ratio"] == 0.0
+
+
+def test_clipped_surrogate_hand_computed():
+    """Clipping binds only in the direction that matters: ratio 1.5 is clipped for A > 0, not for A < 0."""
+    logp_old = torch.zeros(2, 1)
+    logp = torch.full((2, 1), math.log(1.5))
+    loss, stats = S.grpo_loss(
+        logp, logp_old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=torch.bool), S.GRPOConfig(epsilon_low=0.2)
+    )
+    expect = -(1.2 * 1.0 + 1.5 * -1.0) / 2
+    assert abs(float(loss) - expect) < 1e-6, f"{float(loss)} != {expect}"
+    assert stats["clip_ratio"] == 0.5
+
+
+def test_loop_cost_reward_hand_computed():
+    """reward = task reward - c x mean exit loop; c = 0 is the task reward itself (plain GRPO)."""
+    assert S.loop_cost_reward(1.0, [1, 2, 3], 0.25) == 0.5  # values exact in binary: equality is fair
+    assert S.loop_cost_reward(0.0, [4, 4], 0.25) == -1.0
+    assert S.loop_cost_reward(1.0, [1, 4], 0.0) == 1.0 and S.loop_cost_reward(0.5, [], 0.3) == 0.5
+
+
+def test_ouro_objective_hand_computed():
+    """Ouro's objective is sum_r p(r|x) CE_r - beta H(p), with p from the gates (CE and p checked by hand)."""
+    g1 = 0.7
+    logits = torch.tensor([[[[2.0, 0.0]]], [[[0.0, 1.0]]]])  # (R=2, B=1, T=1, V=2)
+    out = S.LoopOutputs(logits=logits, gate_logits=torch.tensor([[[g1]], [[-5.0]]]))
+    lam = 1 / (1 + math.exp(-g1))
+    p = [lam, 1 - lam]  # the last loop takes the rest, whatever its own gate says
+    ce = [math.log(1 + math.exp(2.0)), math.log(1 + math.exp(-1.0))]  # target token 1 at each loop
+    entropy = -sum(x * math.log(x) for x in p)
+    expect = p[0] * ce[0] + p[1] * ce[1] - 0.1 * entropy
+    got = S.ouro_loss(out, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool), beta=0.1)
+    assert abs(float(got) - expect) < 1e-6, f"{float(got)} != {expect}"
+
+
+def _gsm8k_lines(n):
+    path = GSM8K / "test.jsonl"
+    if not path.exists():
+        pytest.skip(f"GSM8K not found at {path} (the shared data folder is absent)")
+    return [json.loads(x) for x in path.read_text().splitlines()[:n]]
+
+
+def test_scorers_on_real_gsm8k_lines():
+    """Each gold answer scores 1 against itself (strict and lenient) and 0 against a changed number."""
+    lines = _gsm8k_lines(50)
+    assert len(lines) == 50
+    for d in lines:
+        gold = S.gsm8k_answer(d["answer"])
+        assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
+        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
+        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"#### {gold + 1:g}", d["answer"], "strict") == 0.0
+
+
+def test_scorer_number_normalisation():
+    """'18.00' equals '18', '$1,000' equals '1000'; the strict scorer takes the last '####'."""
+    assert S.gsm8k_score("#### 18.00", "x #### 18") == 1.0
+    assert S.gsm8k_score("#### $1,000", "#### 1000") == 1.0
+    assert S.gsm8k_score("#### 3 then #### 4", "#### 4") == 1.0
+    assert S.gsm8k_score("#### 4 then #### 3", "#### 4") == 0.0
+    assert S.gsm8k_score("it is 7 or 8", "8", "lenient") == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8. The trainer
+# ---------------------------------------------------------------------------------------------------
+
+
+def _train_args(steps: int, save_every: int) -> list[str]:
+    """A tiny `train` run's flags: 2 prompts x 2 completions a step on the built-in task."""
+    return ["train", "--config", TINY_JSON, "--steps", str(steps), "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "6", "--subset", "20", "--device", "cpu", "--lr", "1e-2",
+            "--save-every", str(save_every)]  # fmt: skip
+
+
+def _train(tmp_path, *extra):
+    return S.main(_train_args(steps=2, save_every=1) + list(extra))
+
+
+def test_train_one_step_on_real_gsm8k(tmp_path):
+    """`train` runs end to end on a real GSM8K subset with tiny.json and leaves an HF checkpoint."""
+    path = GSM8K / "train.jsonl"
+    if not path.exists():
+        pytest.skip(f"GSM8K not found at {path}")
+    out = tmp_path / "run"
+    rc = S.main(
+        [
+            "train",
+            "--config",
+            TINY_JSON,
+            "--data",
+            str(path),
+            "--subset",
+            "4",
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0 and (out / "model.safetensors").exists() and (out / "metrics.jsonl").exists()
+    S.LoopedLM.from_pretrained(out)
+
+
+def test_builtin_problems_are_seeded_and_scored():
+    """The built-in generator is reproducible from its seed and its gold answers score 1."""
+    a, b = S.arithmetic_problems(30, seed=5), S.arithmetic_problems(30, seed=5)
+    assert len(a) == 30 and a == b and a != S.arithmetic_problems(30, seed=6)
+    assert all(S.gsm8k_score(p["answer"], p["answer"]) == 1.0 for p in a)
+
+
+# `scalerlt_ref.py train` with the global torch RNG seeded (a fresh process's is seeded at random, so two
+# runs' saved RNG states could not be compared otherwise). With a flag path, once step 4's update is done in
+# memory (its checkpoint not yet written) it signals and waits to be killed: the kill lands between two
+# checkpoints, deterministically.
+_TRAIN = """
+import pathlib, sys, time
+import torch
+import scalerlt_ref as S
+torch.manual_seed(7)
+real, calls = S.grpo_update, []
+def hooked(*a, **k):
+    m = real(*a, **k)
+    calls.append(1)
+    if len(calls) == 4 and sys.argv[1]:
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(600)
+    return m
+S.grpo_update = hooked
+sys.exit(S.main(sys.argv[2:]))
+"""
+
+
+@slow
+def test_resumed_run_equals_uninterrupted(tmp_path):
+    """A run SIGKILLed between two checkpoints (after step 3's metrics and step 4's update, with step 2
+    the last checkpoint), resumed, ends bit for bit where a run that never stopped ends: the weights,
+    every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside)."""
+    args = _train_args(steps=4, save_every=2) + ["--reward", "digits"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    a, b, flag = tmp_path / "a", tmp_path / "b", tmp_path / "step4_updated"
+    subprocess.run(
+        [sys.executable, "-c", _TRAIN, "", *args, "--out", str(a)],
+        check=True,
+        env=env,
+        cwd=HERE,
+        timeout=300,
+        capture_output=True,
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TRAIN, str(flag), *args, "--out", str(b)],
+        env=env,
+        cwd=HERE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(3000):
+            if flag.exists() or child.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert flag.exists(), f"the run never reached step 4 (rc {child.poll()}): {child.stderr.read()[-2000:]!r}"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+    def load(folder):
+        return torch.load(folder / "trainer_state.pt", weights_only=True)
+
+    assert load(b)["step"] == 2, "the last checkpoint before the kill should be step 2's"
+    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    rng = torch.get_rng_state()
+    torch.manual_seed(12345)  # a resume that did not restore the RNG would save this state instead
+    try:
+        perturbed = torch.get_rng_state()
+        assert S.main([*args, "--out", str(b), "--resume"]) == 0
+    finally:
+        torch.set_rng_state(rng)
+    x, y = load(a), load(b)
+    assert x["step"] == y["step"] == 4
+    assert x["model"].keys() == y["model"].keys()
+    for k in x["model"]:
+        d = maxdiff(x["model"][k], y["model"][k])
+        assert torch.equal(x["model"][k], y["model"][k]), f"{k}: max |diff| = {d:.3e}"
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
+    assert any(not torch.equal(x["model"][k], start[k]) for k in start), "the run did not learn: vacuous"
+    ox, oy = x["optimizer"], y["optimizer"]
+    assert ox["param_groups"] == oy["param_groups"]
+    assert ox["state"].keys() == oy["state"].keys() and len(ox["state"]) > 0
+    for i in ox["state"]:
+        assert ox["state"][i].keys() == oy["state"][i].keys()
+        for k, v in ox["state"][i].items():
+            d = maxdiff(v, oy["state"][i][k])
+            assert torch.equal(v, oy["state"][i][k]), f"optimizer state {i}.{k}: max |diff| = {d:.3e}"
+        assert float(ox["state"][i]["step"]) == 4.0
+    assert torch.equal(x["torch_rng"], y["torch_rng"]) and not torch.equal(y["torch_rng"], perturbed)
+    timing = {"seconds", "rollout_seconds", "tokens_per_second"}
+    logs = [
+        [
+            {k: v for k, v in json.loads(line).items() if k not in timing}
+            for line in (d / "metrics.jsonl").read_text().splitlines()
+        ]
+        for d in (a, b)
+    ]
+    assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_resumed_run_in_process_equals_uninterrupted(tmp_path, exit_policy):
+    """--resume continues bit for bit, in-process (the quick twin of the kill test above) and with sampled
+    exits (whose draws share the sequences' generators): 3 steps straight = 2 steps, then resumed to 3."""
+    base = dict(config=TINY_JSON, prompts_per_step=2, group_size=2, max_new_tokens=4, reward="digits",
+                exit_policy=exit_policy, loop_cost=0.05, save_every=1)  # fmt: skip
+    straight = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "a"), **base), log=lambda *_: None)["model"]
+    S.train(S.TrainConfig(steps=2, out=str(tmp_path / "b"), **base), log=lambda *_: None)
+    resumed = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "b"), resume=True, **base), log=lambda *_: None)[
+        "model"
+    ]
+    names = [n for n, _ in straight.named_parameters()]
+    assert names == [n for n, _ in resumed.named_parameters()] and names
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), n
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0)
+    assert any(not torch.equal(p, q) for p, q in zip(start.parameters(), straight.parameters())), (
+        "the run changed nothing: the test would be vacuous"
+    )
+
+
+def test_resume_tolerates_torn_log_and_removes_stale_temp_files(tmp_path, capsys):
+    """--resume loads trainer_state.pt without unpickling (weights_only), drops and reports a torn last
+    metrics line, and removes temp files left by an interrupted write."""
+    out = tmp_path / "b"
+    assert _train(tmp_path, "--out", str(out), "--steps", "1") == 0
+    torch.load(out / "trainer_state.pt", weights_only=True)  # tensors and plain data only
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward": 0.5, "clip')  # a run killed mid-write
+    stale = out / ".model.safetensors.tmp999999999"  # no process has this pid
+    stale.write_bytes(b"half a file")
+    capsys.readouterr()
+    assert _train(tmp_path, "--out", str(out), "--resume") == 0
+    printed = capsys.readouterr().out
+    assert "dropped a torn last line" in printed and "removed" in printed and not stale.exists(), printed
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2], steps
+
+
+def test_non_finite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    """A NaN during training stops with a diagnosis and leaves the last good checkpoint untouched."""
+    real = S.grpo_update
+    calls = []
+
+    def poisoned(model, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("nan")
+        return real(model, *a, **k)
+
+    monkeypatch.setattr(S, "grpo_update", poisoned)
+    assert _train(tmp_path, "--out", str(tmp_path / "run")) == 1
+    assert "last good checkpoint" in capsys.readouterr().out
+    state = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+@pytest.mark.parametrize("flag,value", [("--lr", "inf"), ("--max-grad-norm", "nan")])
+def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
+    """Past the flag checks (switched off here, as a caller that skips them would), an optimizer step that
+    writes non-finite weights stops training before the step is saved."""
+    out = tmp_path / "run"
+    args = S.build_parser().parse_args(
+        _flags(tmp_path, "train")[:-1]
+        + [
+            str(out),
+            "--sft-steps",
+            "0",
+            "--save-every",
+            "1",
+            "--reward",
+            "digits",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            flag,
+            value,
+        ]
+    )
+    cfg = S.flags_from_args(args)
+    with pytest.raises(ValueError, match=flag):
+        S.check_flags(cfg)  # the checks refuse it first
+    monkeypatch.setattr(S, "check_flags", lambda flags: None)
+    with pytest.raises(S.NonFiniteError, match="parameters are not finite after the optimizer step"):
+        S.train(cfg, log=lambda *_: None)
+    assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
+
+
+@slow
+def test_two_processes_match_one(tmp_path):
+    """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
+    parameters after two steps agree with one process to 1e-5 relative."""
+    script = str(Path(S.__file__).resolve())
+    common = [
+        "train",
+        "--config",
+        TINY_JSON,
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--numerics",
+        "invariant",
+        "--reward",
+        "digits",
+        "--subset",
+        "20",
+        "--device",
+        "cpu",
+        "--log-rollouts",
+        "--lr",
+        "1e-2",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run(
+        [sys.executable, script, *common, "--out", str(one)], check=True, env=env, timeout=300, capture_output=True
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            script,
+            *common,
+            "--out",
+            str(two),
+        ],
+        env=env,
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def records(folder):
+        out = {}
+        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
+            for line in f.read_text().splitlines():
+                d = json.loads(line)
+                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
+        return out
+
+    r1, r2 = records(one), records(two)
+    assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
+    assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
+    st_ = pytest.importorskip("safetensors.torch")
+    a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
+    assert a.keys() == b.keys() and len(a) > 0 and a.keys() <= start.keys()
+    for k in a:
+        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
+    assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
+
+
+@pytest.mark.parametrize(
+    "options", [dict(numerics="invariant"), dict(dtype="bfloat16", mu=2), dict(mode="dense", beta=0.1, mu=2)]
+)
+def test_training_with_sampled_exits_is_exact_with_every_option(options):
+    """Two GRPO steps with sampled exits and a loop cost, under invariant numerics, bfloat16, dense mode,
+    mu = 2 and a KL term: every step's replay reproduces both log-probs bit for bit, and the metrics report
+    both parts of the policy's log-prob."""
+    cfg = S.TrainConfig(config=TINY_JSON, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
+                        reward="digits", exit_policy="sampled", loop_cost=0.1, **options)  # fmt: skip
+    history = S.train(cfg, log=lambda *_: None)["history"]
+    assert [m["step"] for m in history] == [1, 2], history
+    for m in history:
+        assert m["exact/mismatched_tokens"] == 0 and m["exact/mismatched_exit_logprobs"] == 0, m
+        assert m["sampling/sampling_logp_difference/max"] == 0.0 and m["exit/logprob_mean"] < 0, m
+        assert m["reward"] < m["task_reward"]  # every sequence pays for at least one loop
+
+
+# ---------------------------------------------------------------------------------------------------
+# 9. The oracle: verify
+# ---------------------------------------------------------------------------------------------------
+
+
+# --- it accepts the reference's own rollouts -------------------------------------------------------
+
+
+def _records(tmp_path, kv):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt": "hi"}\n{"prompt_ids": [9]}\n')
+    out = tmp_path / f"ro-{kv}.jsonl"
+    assert (
+        S.main(
+            [
+                "rollout",
+                "--config",
+                TINY_JSON,
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--kv",
+                kv,
+                "--max-new-tokens",
+                "6",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
+    return out
+
+
+def _verify(path, capsys, *extra):
+    """`verify` of tiny.json's records at atol 1e-4: (exit status, the JSON summary)."""
+    return _verify_json(capsys, Path(TINY_JSON), path, "--atol", "1e-4", *extra)
+
+
+@pytest.mark.parametrize("kv", ["exact", "last_exited"])
+def test_verify_accepts_own_rollouts(tmp_path, capsys, kv):
+    """The project's own rollouts verify with zero mismatches and zero exit-rule violations."""
+    rc, summary = _verify(_records(tmp_path, kv), capsys, "--kv", kv)
+    assert rc == 0 and summary["mismatched_tokens"] == 0 and summary["exit_rule_violations"] == 0, summary
+    assert summary["sequences"] == 3 and summary["tokens"] > 0 and summary["first_mismatch"] is None
+
+
+@pytest.mark.parametrize("rule", S.EXIT_RULES)
+def test_verify_bfloat16_rollouts_of_the_reference(tmp_path, capsys, rule):
+    """A correct bfloat16 engine passes: the reference's own bfloat16 rollouts (tiny.json, whose random
+    weights amplify rounding the most of the configs measured), verified against the float64 model with
+    --engine-dtype bfloat16, exit 0 and report the distribution of the differences."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [i, 2 * i + 1, 7]}) + "\n" for i in range(8)))
+    out = tmp_path / "bf16.jsonl"
+    argv = ["--config", TINY_JSON, "--exit-rule", rule]
+    assert S.main(["rollout", *argv, "--prompts", str(prompts), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    rc = S.main(["verify", *argv, "--rollouts", str(out), "--engine-dtype", "bfloat16"])
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and s["tokens"] == 256 and s["exit_rule"] == rule and s["engine_dtype"] == "bfloat16", s
+    q = s["abs_diff_quantiles"]
+    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"] == s["max_abs_diff"] <= s["atol"], q
+    assert s["sampler_tokens"] == 256 and s["sampler_p_value"] >= 1e-3 and 0.9 <= s["exit_agreement"] <= 1.0, s
+
+
+def _sampled_records(n_prompts=10, new=12, min_loops=1, seed=0) -> tuple[S.LoopedLM, list[dict]]:
+    model = S.LoopedLM(S.Config(**(TINY | dict(total_ut_steps=3))), seed=0).double()
+    prompts = [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(n_prompts)]
+    ro = sample(model, prompts, max_new_tokens=new, exit_policy="sampled", min_loops=min_loops, seed=seed)
+    return model, S.rollout_records(ro)
+
+
+def test_verify_checks_sampled_exit_records(tmp_path, capsys):
+    """verify reads the optional "exit_logprobs" of sampled-exit records and checks them against the
+    reference (exit loops are draws, not rule decisions): the reference's own records pass, a perturbed
+    exit log-prob fails naming it, and an exit before --min-loops is a violation."""
+    _, recs = _sampled_records(min_loops=2)
+    assert len(recs) == 10 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(TINY | {"total_ut_steps": 3}))
+    good = _write_records(tmp_path / "good.jsonl", recs)
+    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "2", "--engine-dtype", "float64")
+    tokens = sum(len(r["completion_ids"]) for r in recs)
+    assert rc == 0 and s["exit_logprob_tokens"] == tokens and s["mismatched_exit_logprobs"] == 0, s
+    assert s["exit_rule_violations"] == 0 and s["max_abs_exit_diff"] <= 1e-12, s
+    bad = [dict(r) for r in recs]
+    bad[3] = dict(bad[3], exit_logprobs=[x + (1e-3 if k == 1 else 0) for k, x in enumerate(bad[3]["exit_logprobs"])])
+    bad_path = _write_records(tmp_path / "bad.jsonl", bad)
+    rc, s = _verify_json(capsys, cfg_path, bad_path, "--min-loops", "2", "--engine-dtype", "float64")
+    assert rc == 1 and s["mismatched_exit_logprobs"] == 1, s
+    assert s["first_exit_mismatch"]["sequence"] == 3 and s["first_exit_mismatch"]["token"] == 1, s
+    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "3", "--engine-dtype", "float64")  # exits at 2 too
+    assert rc == 1 and s["exit_rule_violations"] > 0 and s["mismatched_exit_logprobs"] > 0, s
+
+
+def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
+    """`rollout --exit-policy sampled` writes records with exit_logprobs that `verify` accepts."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n')
+    out = tmp_path / "r.jsonl"
+    rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)]
+                 + ["--exit-policy", "sampled", "--max-new-tokens", "6"])  # fmt: skip
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and len(recs) == 2 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
+    rc, s = _verify_json(capsys, Path(TINY_JSON), out)
+    assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
+
+
+def test_verify_accepts_empty_completion(tmp_path, capsys):
+    """A record with a 1-token prompt and nothing generated is valid and verifies (no max() of nothing)."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = tmp_path / "r.jsonl"
+    records.write_text(json.dumps({"prompt_ids": [7], "completion_ids": [], "exit_loops": [], "logprobs": []}) + "\n")
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 0, err
+
+
+# --- it catches what is wrong ----------------------------------------------------------------------
+
+
+def test_verify_reports_first_perturbed_logprob(tmp_path, capsys):
+    """One perturbed log-prob fails with exit 1 and is reported as the first mismatch."""
+    path = _records(tmp_path, "exact")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    recs[1]["logprobs"][2] += 0.01
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, summary = _verify(path, capsys)
+    assert rc == 1 and summary["mismatched_tokens"] == 1, summary
+    fm = summary["first_mismatch"]
+    assert (fm["sequence"], fm["token"]) == (1, 2) and abs(fm["got"] - recs[1]["logprobs"][2]) < 1e-12
+
+
+def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
+    """A recorded exit loop that breaks the rule is counted, with its distance to the threshold."""
+    path = _records(tmp_path, "exact")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    R = S.Config.from_json(TINY_JSON).total_ut_steps
+    recs[0]["exit_loops"][1] = recs[0]["exit_loops"][1] % R + 1  # a wrong depth
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, summary = _verify(path, capsys)
+    assert rc == 1 and summary["exit_rule_violations"] == 1, summary
+    model = S.LoopedLM(S.Config.from_json(TINY_JSON)).double()
+    v = S.verify_record(model, {**recs[0], "temperature": 1.0})["violations"]
+    assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
+
+
+def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None) -> tuple[S.LoopedLM, list[dict]]:
+    """The reference's own float64 rollouts as records (each temperature's rollout in turn)."""
+    model = S.LoopedLM(cfg or S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=0).double()
+    recs = []
+    for t in temperatures:
+        ro = sample(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
+                       temperature=t, seed=seed)  # fmt: skip
+        recs += S.rollout_records(ro)
+    return model, recs
+
+
+def test_greedy_records_must_be_the_reference_argmax(tmp_path, capsys):
+    """Greedy records (temperature 0) are checked token by token: each must be the reference's argmax
+    (ties, and near-ties within 2 * atol, allowed). A non-argmax token with its correct log-prob fails."""
+    cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    model, recs = _float64_records(temperatures=(0.0,), prompts=4, new=8, cfg=cfg)
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "g.jsonl", recs), "--engine-dtype", "float64")
+    assert rc == 0 and s["greedy_tokens"] == 32 and s["greedy_mismatches"] == 0 and s["sampler_tokens"] == 0, s
+    ro = S.records_rollout(recs[:1])
+    ro.completions[0][-1] = (ro.completions[0][-1] + 1) % cfg.vocab_size  # the last token: no later position
+    recs[0]["completion_ids"] = ro.completions[0]
+    recs[0]["logprobs"] = S.teacher_forced_logprobs(model, ro).detach()[0].tolist()
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "g.jsonl", recs), "--engine-dtype", "float64")
+    assert rc == 1 and s["greedy_mismatches"] == 1 and s["mismatched_tokens"] == 0, s
+
+
+def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
+    """An engine that samples at 0.8 but reports temperature 1.0, with log-probs correct for 1.0, passes
+    every log-prob and exit check; the sampler test catches it at 2,000 tokens (p < 1e-3: exit 1)."""
+    cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    model = S.LoopedLM(cfg, seed=0).double()
+    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
+    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, temperature=1.0))
+    lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie)))
+    assert s["sampler_tokens"] == 2000 and s["mismatched_tokens"] == 0 and s["exit_rule_violations"] == 0, s
+    assert rc == 1 and s["sampler_p_value"] < 1e-3, s
+    honest = S.rollout_records(ro)  # the same tokens, declared at 0.8: a correct engine
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "h.jsonl", honest))
+    assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
+
+
+def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch):
+    """Non-finite reference log-probs that come from the model are a failure (exit 1), never agreement."""
+    model = S.LoopedLM(S.Config(**TINY)).double()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("inf"))  # finite checkpoints can still overflow; simulate it
+    monkeypatch.setattr(S, "_load_model_arg", lambda args, dtype: model)
+    rc, err = _verify_tiny(capsys, tmp_path, _good_records(tmp_path))
+    assert rc == 1 and ":1: sequence 0, token 0" in err and "not finite" in err, err
+
+
+# --- without false alarms, batched or not; its statistics ------------------------------------------
+
+
+def test_sampler_test_accepts_the_reference_own_rollouts():
+    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each) its
+    p-values over 20 seeds are never below 1e-3 (under the null they are uniform: P(any < 1e-3) ~ 2%;
+    the seeds are fixed, so this cannot flake)."""
+    ps = []
+    for seed in range(20):
+        model, recs = _float64_records(seed=seed)
+        res = S.verify_records(model, recs, seed=seed)
+        s = S.verify_summary(recs, res, atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3)
+        assert s["sampler_tokens"] == 200 and s["mismatched_tokens"] == 0
+        ps.append(s["sampler_p_value"])
+    assert min(ps) >= 1e-3, ps
+
+
+def test_verify_batched_equals_one_at_a_time():
+    """Batching is a speed-up only: per-sequence results equal one-sequence passes (float64; fast numerics
+    batch rows differently, so to 1e-12; exits, violations and the sampler's uniforms exactly)."""
+    model, recs = _float64_records(temperatures=(0.0, 0.7, 1.0), prompts=6, new=12)
+    recs[2]["exit_loops"][3] = recs[2]["exit_loops"][3] % 2 + 1  # a wrong depth, reported alike
+    recs[7]["completion_ids"], recs[7]["exit_loops"], recs[7]["logprobs"] = [], [], []  # an empty completion
+    batched = S.verify_records(model, recs, batch_size=16, seed=3)
+    assert len(recs) == 18 and len(batched) == len(recs)
+    for i, rec in enumerate(recs):
+        alone = S.verify_record(model, rec, seed=3, index=i)
+        for key in ("logprobs", "delta", "pit", "greedy_gap"):
+            if alone[key] is None:
+                assert batched[i][key] is None, (i, key)
+            else:
+                assert torch.allclose(alone[key], batched[i][key], rtol=0, atol=1e-12), (i, key)
+        assert alone["rule_exits"] == batched[i]["rule_exits"], i
+        assert [v | {"margin": None} for v in alone["violations"]] == [
+            v | {"margin": None} for v in batched[i]["violations"]
+        ]
+    assert len(batched[2]["violations"]) == 1
+
+
+def test_verify_summary_statistics_hand_computed():
+    """The summary's statistics on hand-made results: quantiles, the per-loop maximum, the ratio bands,
+    flips within the margin (not failures) and the first violation beyond it."""
+    recs = [
+        {"prompt_ids": [1], "completion_ids": [1, 2, 3, 4], "exit_loops": [1, 2, 2, 3], "logprobs": [0.0] * 4},
+        {"prompt_ids": [1], "completion_ids": [5], "exit_loops": [1], "logprobs": [0.0]},
+    ]
+    delta = [torch.tensor([0.0, 0.005, -0.02, 0.3], dtype=torch.float64), torch.tensor([-0.5], dtype=torch.float64)]
+    violations = [[], [{"token": 0, "recorded": 1, "rule": 2, "margin": -0.01}]]
+    results = [
+        {"logprobs": -d, "delta": d, "diff": d.abs(), "violations": v, "pit": None, "greedy_gap": None}
+        for d, v in zip(delta, violations)
+    ]
+    s = S.verify_summary(recs, results, atol=0.4, flip_margin=0.05, sampler_alpha=1e-3)
+    assert s["abs_diff_quantiles"] == pytest.approx({"p50": 0.02, "p90": 0.42, "p99": 0.492, "max": 0.5})
+    assert s["max_abs_diff_by_exit_loop"] == {"1": 0.5, "2": 0.02, "3": 0.3}
+    assert s["ratio_outside"] == {"0.01": 0.6, "0.2": 0.4}  # exp(-0.02) < 0.99; exp(0.3) > 1.2; exp(-0.5) < 0.8
+    assert (s["mismatched_tokens"], s["near_threshold_flips"], s["exit_rule_violations"]) == (1, 1, 0)
+    assert s["exit_agreement"] == pytest.approx(4 / 5) and not s["passed"]
+    s = S.verify_summary(recs, results, atol=0.6, flip_margin=0.001, sampler_alpha=1e-3)
+    assert s["exit_rule_violations"] == 1 and s["first_violation"] == {"sequence": 1, **violations[1][0]}
+
+
+def test_ks_p_values_match_the_tables():
+    """The KS p-value without scipy: the Kolmogorov distribution's known points, and the exact n = 10 and
+    n = 20 critical values at 5% (0.409, 0.294) and n = 10 at 1% (0.490) within a few percent."""
+    for lam, p in [(0.5, 0.9639), (1.0, 0.2700), (1.36, 0.0495), (1.63, 0.00985), (1.95, 0.0010)]:
+        assert S.kolmogorov_sf(lam) == pytest.approx(p, rel=0.01), lam
+    for n, d, p in [(10, 0.409, 0.05), (20, 0.294, 0.05), (10, 0.490, 0.01)]:
+        u = torch.tensor([(i + 1) / n - d for i in range(n)]).clamp(0, 1)  # D_n = d exactly (at the first gap)
+        D, pv = S.ks_uniform(u)
+        assert D == pytest.approx(d) and pv == pytest.approx(p, rel=0.05), (n, D, pv)
+
+
+def test_chi2_sf_matches_the_tables():
+    """Critical values from the chi-square tables (upper 1e-3 and 5e-2 points, k = 1..4)."""
+    for k, x999, x95 in [(1, 10.828, 3.841), (2, 13.816, 5.991), (3, 16.266, 7.815), (4, 18.467, 9.488)]:
+        assert abs(_chi2_sf(x999, k) - 1e-3) < 2e-6 and abs(_chi2_sf(x95, k) - 0.05) < 2e-5, k
+
+
+def test_verify_plot(tmp_path, capsys):
+    """--plot writes the picture (|Δ log-prob| per token by exit loop, the sampler histogram)."""
+    pytest.importorskip("matplotlib")
+    _, recs = _float64_records(prompts=3, new=6)
+    records = _write_records(tmp_path / "r.jsonl", recs)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(json.dumps(TINY | {"early_exit_threshold": 0.6}))
+    rc, s = _verify_json(capsys, cfg_path, records, "--plot", str(tmp_path / "v.png"))
+    assert rc == 0 and (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG", s
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10. Real checkpoints and the bench
+# ---------------------------------------------------------------------------------------------------
+
+
 def _bad_checkpoint(path: Path, fault: str) -> Path:
     """A tiny checkpoint (two shards) with one kind of fault, or two at once (a '+' in `fault`)."""
     from safetensors.torch import load_file, save_file
@@ -2683,6 +2370,31 @@ def test_lean_load_draws_no_random_numbers(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "randn", no_draws)
     S.LoopedLM.from_pretrained(path, dtype=torch.bfloat16)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_fast_finiteness_check_is_exact():
+    """The loader's finiteness check sums first: a sum that overflows from finite values must not refuse a
+    checkpoint, and a NaN or infinity anywhere must be found, in every float dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        big = torch.finfo(dtype).max
+        assert S._all_finite(torch.tensor([big, big, 1.0], dtype=dtype))  # the sum overflows; all are finite
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = torch.ones(1000, dtype=dtype)
+            x[617] = bad
+            assert not S._all_finite(x), (dtype, bad)
+        assert not S._all_finite(torch.tensor([big, -float("inf")], dtype=dtype))
+
+
+def test_checkpoint_tokenizer_json_round_trips(tmp_path):
+    """A checkpoint's own tokenizer.json is used through the optional `tokenizers` package."""
+    tk = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "two": 1, "plus": 2, "is": 3, "four": 4}
+    tok = tk.Tokenizer(tk.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = S.HFTokenizer(tmp_path / "tokenizer.json", eos_id=0)
+    assert hf.encode("two plus two is four") == [1, 2, 1, 3, 4] and hf.vocab_size == 5
+    assert hf.decode([1, 2, 1]) == "two plus two"
 
 
 def test_train_loads_a_checkpoint_straight_into_its_dtype(tmp_path, monkeypatch):
@@ -2761,6 +2473,88 @@ def test_bench_model_on_a_checkpoint(tmp_path, capsys):
     assert "bf16 / fp32" not in out  # float32 only: nothing to compare
 
 
+# ---------------------------------------------------------------------------------------------------
+# 11. Bad input is a one-line error
+# ---------------------------------------------------------------------------------------------------
+
+
+# --- flags -----------------------------------------------------------------------------------------
+
+
+# (command, flags appended to a valid command line for it): each must be refused, naming the first flag.
+BAD_FLAGS = [
+    ("verify", "--atol", "nan"),
+    ("verify", "--atol", "-1"),
+    ("verify", "--min-loops", "-1"),
+    ("verify", "--flip-margin", "nan"),
+    ("verify", "--exit-threshold", "inf"),
+    ("verify", "--init-seed", "-1"),
+    ("train", "--max-grad-norm", "nan"),
+    ("train", "--max-grad-norm", "-1"),
+    ("train", "--epsilon-low", "-1"),
+    ("train", "--epsilon-low", "inf"),
+    ("train", "--epsilon-low", "1e308"),
+    ("train", "--epsilon-high", "1e308"),
+    ("train", "--beta", "-1"),
+    ("train", "--beta", "nan"),
+    ("train", "--lr", "inf"),
+    ("train", "--lr", "-1"),
+    ("train", "--temperature", "inf"),
+    ("train", "--subset", "-1"),
+    ("train", "--prompts-per-step", str(10**30)),
+    ("train", "--steps", "0"),
+    ("train", "--mu", "0"),
+    ("train", "--group-size", "0"),
+    ("train", "--seed", "-1"),
+    ("train", "--save-every", "0"),
+    ("train", "--max-new-tokens", "0"),
+    ("train", "--device", "tpu"),
+    ("rollout", "--exit-threshold", "nan"),
+    ("rollout", "--eos-id", "-1"),
+    ("rollout", "--eos-id", str(10**30)),
+    ("rollout", "--temperature", "inf"),
+    ("rollout", "--max-new-tokens", "0"),
+    ("demo", "--lr", "nan"),
+    ("demo", "--problems", "0"),
+    ("demo", "--steps", "-1"),
+    # a value outside a flag's choices: argparse refuses it itself, with its usage line
+    ("verify", "--engine-dtype", "int8"),
+    ("verify", "--exit-rule", "cdf"),
+    ("rollout", "--exit-rule", "cdf"),
+    ("train", "--exit-rule", "cdf"),
+    ("demo", "--exit-rule", "cdf"),
+    # the oracle's and the loop cost's flags
+    ("verify", "--sampler-alpha", "2"),
+    ("verify", "--sampler-alpha", "nan"),
+    ("verify", "--batch-size", "0"),
+    ("verify", "--seed", "-1"),
+    ("verify", "--plot", "/proc/scalerlt-issue11/v.png"),
+    ("train", "--loop-cost", "-1"),
+    ("train", "--loop-cost", "nan"),
+    ("demo", "--loop-cost", "inf"),
+    # sampled exits do not combine with the hf rule (a threshold rule's arithmetic): named by the first flag
+    ("train", "--exit-policy", "sampled", "--exit-rule", "hf"),
+    ("demo", "--exit-policy", "sampled", "--exit-rule", "hf"),
+    ("rollout", "--exit-policy", "sampled", "--exit-rule", "hf"),
+]
+
+
+@pytest.mark.parametrize("command,args", [(c, list(a)) for c, *a in BAD_FLAGS], ids=["-".join(x) for x in BAD_FLAGS])
+def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, args):
+    """Every flag is checked (finite, in range, integer, one of its choices, combined with flags it fits)
+    before any work: exit 2 naming the flag, no output (the warm start has not run), nothing written."""
+    capsys.readouterr()
+    try:
+        rc = S.main(_flags(tmp_path, command) + args)
+    except SystemExit as e:  # argparse refuses a value outside its choices itself, with its usage line
+        rc, (out, err) = e.code, capsys.readouterr()
+        assert args[0] in err and "invalid choice" in err, err
+    else:
+        out, err = capsys.readouterr()
+        _one_line_error(err, args[0])
+    assert rc == 2 and out == "" and not (tmp_path / "out").exists(), out
+
+
 @pytest.mark.parametrize(
     "flag,value",
     [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
@@ -2773,379 +2567,500 @@ def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
     _one_line_error(err, flag)
 
 
-def test_fast_finiteness_check_is_exact():
-    """The loader's finiteness check sums first: a sum that overflows from finite values must not refuse a
-    checkpoint, and a NaN or infinity anywhere must be found, in every float dtype."""
-    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        big = torch.finfo(dtype).max
-        assert S._all_finite(torch.tensor([big, big, 1.0], dtype=dtype))  # the sum overflows; all are finite
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            x = torch.ones(1000, dtype=dtype)
-            x[617] = bad
-            assert not S._all_finite(x), (dtype, bad)
-        assert not S._all_finite(torch.tensor([big, -float("inf")], dtype=dtype))
+def test_eos_id_outside_the_vocabulary_refused(tmp_path, capsys):
+    """--eos-id beyond the model's vocabulary is refused before sampling, writing nothing."""
+    rc, err = _run(capsys, _flags(tmp_path, "rollout") + ["--eos-id", "260"])
+    assert rc == 2 and not (tmp_path / "out").exists()
+    _one_line_error(err, "--eos-id 260")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Sampled exits and a loop-cost reward (issue 13)
-# ---------------------------------------------------------------------------------------------------
+def test_default_flags_pass_their_checks(tmp_path):
+    """The flag checks refuse nothing a command's defaults use (demo and bench are checked, not run)."""
+
+    def check(argv):
+        S.check_flags(S.flags_from_args(S.build_parser().parse_args(argv)))
+
+    check(["demo", "--out", str(tmp_path / "d")])
+    check(["bench"])
+    check(["train", "--device", "cpu"])
+    check(_flags(tmp_path, "verify"))
+    check(_flags(tmp_path, "rollout"))
+    with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
+        check(["bench", "--repeats", "0"])
+    assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
 
 
-def _exit_logprob_by_hand(gates: torch.Tensor, e: int, min_loops: int) -> torch.Tensor:
-    """log p(exit = e) written from SPEC §3 alone, float64: gates (R,) -> sum over the loops that draw of
-    log(1 - lambda) before e, plus log lambda_e unless e = R (the last loop takes the rest)."""
-    R, lam = gates.numel(), torch.sigmoid(gates.double())
-    if e < min_loops:
-        return torch.tensor(-math.inf, dtype=torch.float64)
-    out = sum((torch.log1p(-lam[j - 1]) for j in range(min_loops, e)), torch.zeros((), dtype=torch.float64))
-    return out + torch.log(lam[e - 1]) if e < R else out
+# --- records ---------------------------------------------------------------------------------------
 
 
-@examples(25)
-@given(gates=gate_vectors, dtype=float_dtypes, data=st.data())
-def test_exit_logprob_is_the_spec_formula(gates, dtype, data):
-    """`exit_logprob` is log p(e) of SPEC §3 (conditioned on e >= min_loops): by hand to rounding, -inf
-    before min_loops, 0 for padding, and its exponentials sum to 1 over the loops it can exit at."""
-    R = len(gates)
-    g = torch.tensor(gates, dtype=dtype)  # (R,)
-    m = data.draw(between(1, R))
-    exits = torch.tensor([0] + list(range(1, R + 1)))  # (R + 1,): padding, then every loop
-    lp = S.exit_logprob(g.expand(R + 1, R), exits, m)  # (R + 1,)
-    assert lp.dtype == S.acc_dtype(dtype) and lp[0] == 0
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
-    for e in range(1, R + 1):
-        want = _exit_logprob_by_hand(g, e, m)
-        if e < m:
-            assert lp[e] == -math.inf
-        elif math.isfinite(want):
-            assert abs(float(lp[e]) - float(want)) <= tol * (1 + abs(float(want))), (e, float(lp[e]), float(want))
-    total = float(lp[m:].double().exp().sum())
-    assert abs(total - 1) <= 10 * tol, total
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes)
-def test_sampled_exits_replay_bitwise(case, mode, dtype):
-    """With sampled exits a step's log-prob has two parts, and the replay reproduces both bit for bit (also
-    from a schedule read back from JSON): GRPO's first ratio is exactly 1 for the joint policy too."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_policy="sampled")
-    assert (
-        ro.policy.exit_policy == "sampled" and ro.schedule.policy is ro.policy and ro.policy.min_loops == case.min_loops
-    )
-    assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
-    assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
-    schedule = S.schedule_from_json(S.schedule_to_json(ro.schedule))
-    assert schedule.policy == ro.policy
-    for r in (ro, dataclasses.replace(ro, schedule=schedule)):
-        tok, ext = S.replay_logprobs(model, r, with_exits=True)
-        assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
-        assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
-
-
-@examples(20)
-@given(case=cases(), dtype=dtypes)
-def test_sampled_invariant_dense_deferred_teacher_forced_bitwise(case, dtype):
-    """Dense and deferred stay the same policy with sampled exits: they make the same draws in the same
-    order, so under invariant numerics tokens, exits and both log-probs agree bit for bit, and so does the
-    teacher-forced forward (both parts)."""
-    model = case.model(dtype)
-    dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy="sampled")
-    deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy="sampled")
-    assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
-    assert torch.equal(dense.logprobs, deferred.logprobs), maxdiff(dense.logprobs, deferred.logprobs)
-    assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), maxdiff(
-        dense.exit_logprobs, deferred.exit_logprobs
-    )
-    tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
-    assert torch.equal(tok, dense.logprobs), f"tokens: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
-    assert torch.equal(ext, dense.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, dense.exit_logprobs):.3e}"
-
-
-@examples(20)
-@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, data=st.data())
-def test_sampled_sequence_does_not_depend_on_its_batch(case, mode, data):
-    """One generator per sequence serves its exit draws and its token draws in a fixed order: a sequence
-    sampled alone (invariant numerics) is the one sampled in a batch, exits and log-probs included."""
-    model = case.model()
-    i = data.draw(st.integers(0, len(case.prompts) - 1))
-    batch = case.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled")
-    alone = dataclasses.replace(case, prompts=[case.prompts[i]])
-    alone = alone.rollout(model, mode=mode, numerics="invariant", exit_policy="sampled", sequence_ids=[i])
-    assert alone.completions[0] == batch.completions[i] and alone.exit_loops[0] == batch.exit_loops[i]
-    assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i]) and torch.equal(
-        alone.logprobs[0], batch.logprobs[i]
-    )
-
-
-@examples(20)
-@given(case=cases(), mode=modes, dtype=dtypes, tf_numerics=st.sampled_from(S.NUMERICS))
-def test_sampled_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype, tf_numerics):
-    """The exit log-prob goes through the same hybrid: value = the replay's bits, gradient = the
-    teacher-forced one bit for bit; and now the exit gate learns (whenever a loop draws: min_loops < R)."""
-    model = case.model(dtype)
-    ro = case.rollout(model, mode=mode, exit_policy="sampled")
-    weights = torch.randn(ro.mask.shape, generator=torch.Generator().manual_seed(case.seed))  # (B, N)
-    joint, _ = S.learner_logprobs(model, ro, numerics=tf_numerics)  # tokens' and exits' log-probs, joint
-    assert torch.equal(joint.detach(), ro.logprobs + ro.exit_logprobs)
-    g_hybrid = _grads(model, joint, weights, ro.mask)
-    g_tf = _grads(
-        model, S.joint_logprobs(ro, *S.teacher_forced_logprobs(model, ro, tf_numerics, True)), weights, ro.mask
-    )
-    gate = {"model.early_exit_gate.weight", "model.early_exit_gate.bias"}
-    learns = case.min_loops < case.cfg.total_ut_steps  # some loop draws, so log p(e) depends on the gates
-    expected = {n for n, _ in model.named_parameters() if learns or n not in gate}
-    assert g_tf.keys() == expected == g_hybrid.keys(), f"gradients on {sorted(g_tf)}"
-    for n in g_tf:
-        assert torch.equal(g_hybrid[n], g_tf[n]), f"{n}: max |diff| = {maxdiff(g_hybrid[n], g_tf[n]):.3e}"
-
-
-def _chi2_sf(x: float, k: int) -> float:
-    """P(chi^2_k > x), from Q(k + 2) = Q(k) + (x/2)^(k/2) e^(-x/2) / Gamma(k/2 + 1), Q(1) = erfc(sqrt(x/2)),
-    Q(2) = e^(-x/2). No scipy needed."""
-    q, j = (math.erfc(math.sqrt(x / 2)), 1) if k % 2 else (math.exp(-x / 2), 2)
-    while j < k:
-        q += math.exp((j / 2) * math.log(x / 2) - x / 2 - math.lgamma(j / 2 + 1)) if x > 0 else 0.0
-        j += 2
-    return q
-
-
-def test_chi2_sf_matches_the_tables():
-    """Critical values from the chi-square tables (upper 1e-3 and 5e-2 points, k = 1..4)."""
-    for k, x999, x95 in [(1, 10.828, 3.841), (2, 13.816, 5.991), (3, 16.266, 7.815), (4, 18.467, 9.488)]:
-        assert abs(_chi2_sf(x999, k) - 1e-3) < 2e-6 and abs(_chi2_sf(x95, k) - 0.05) < 2e-5, k
-
-
-def _expected_exit_pmf(gates: torch.Tensor, min_loops: int, shift: float = 0.0) -> list[float]:
-    """p(r) for r = 1..R, float64, written out: lambda_r prod_{min_loops <= j < r}(1 - lambda_j), p(R) the
-    rest, 0 before min_loops (`shift` moves every gate logit: a deliberately wrong policy)."""
-    lam, R = torch.sigmoid(gates.double() + shift).tolist(), gates.numel()
-    p, survive = [0.0] * R, 1.0
-    for r in range(min_loops, R + 1):
-        p[r - 1] = survive * (lam[r - 1] if r < R else 1.0)
-        survive *= 1 - lam[r - 1]
-    return p
-
-
-@pytest.mark.parametrize("min_loops", [1, 2, 3])
-@pytest.mark.parametrize("mode", ["dense", "deferred"])
-def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
-    """4,000 sequences share one prompt and draw one token each: their exit loops are 4,000 independent
-    draws from one p(r) (SPEC §3, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
-    written out here (float64, from the teacher-forced gates) must not reject at 1e-3. That is the
-    false-alarm rate per case (6 cases: 0.6% for the whole test under the null); the seeds are fixed, so
-    it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted by
-    0.2 are rejected (p < 1e-6)."""
-    cfg = S.Config(**(TINY | dict(total_ut_steps=4)))
-    model = S.LoopedLM(cfg, seed=min_loops)
-    with torch.no_grad():  # moderate gates (lambda ~ 0.2-0.6): every loop's expected count is >= 200
-        model.model.early_exit_gate.weight.mul_(0.1)
-        model.model.early_exit_gate.bias.fill_(-0.7)
-    prompt, n = [3, 1, 4], 4000
-    ro = sample(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
-    gates = model.loop_outputs(torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
-    counts = Counter(e[0] for e in ro.exit_loops)
-    assert all(r >= min_loops for r in counts), counts
-
-    def p_value(pmf: list[float]) -> float:
-        cells = [r for r in range(1, cfg.total_ut_steps + 1) if pmf[r - 1] > 0]
-        assert all(n * pmf[r - 1] >= 50 for r in cells), pmf  # the chi-square approximation holds
-        x2 = sum((counts[r] - n * pmf[r - 1]) ** 2 / (n * pmf[r - 1]) for r in cells)
-        return _chi2_sf(x2, len(cells) - 1)
-
-    p_right = p_value(_expected_exit_pmf(gates, min_loops))
-    assert p_right >= 1e-3, (
-        f"exit loops {dict(counts)} vs p(r) {_expected_exit_pmf(gates, min_loops)}: p = {p_right:.2e}"
-    )
-    assert p_value(_expected_exit_pmf(gates, min_loops, shift=0.2)) < 1e-6
-    # Each sequence's one exit log-prob is log p(e) of its own draw.
-    want = torch.tensor([math.log(_expected_exit_pmf(gates, min_loops)[e[0] - 1]) for e in ro.exit_loops])
-    assert maxdiff(ro.exit_logprobs[:, 0].double(), want) < 1e-5
-
-
-def _sampled_grpo_rollout(case: Case, model: S.LoopedLM, mode: str) -> S.Rollout:
-    """`_grpo_rollout` with sampled exits: sequences of different lengths, sequences 0 and 1 differ."""
-    first = case.rollout(model, mode=mode, exit_policy="sampled")
-    ro = case.rollout(model, mode=mode, exit_policy="sampled", eos_id=first.completions[0][0])
-    assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
-    return ro
-
-
-def _sequence_grads_with_exits(model: S.LoopedLM, ro: S.Rollout) -> list[dict]:
-    """Per sequence b, by parameter name: the gradient of sum_t [log pi(token_bt | loop e_bt) + log p(e_bt)],
-    the token part teacher-forced, the exit part written here from the plain forward's gates (float64)."""
-    tf = S.teacher_forced_logprobs(model, ro)  # (B, N)
-    gates = model.loop_outputs(ro.tokens()).gate_logits  # (R, B, T), differentiable
-    params = dict(model.named_parameters())
-    out = []
-    for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops)):
-        exit_sum = sum(
-            _exit_logprob_by_hand(gates[:, b, len(prompt) - 1 + k], e, ro.policy.min_loops) for k, e in enumerate(exits)
-        )
-        gs = torch.autograd.grad(
-            (tf[b] * ro.mask[b]).sum() + exit_sum, list(params.values()), retain_graph=True, allow_unused=True
-        )
-        out.append({n: g for n, g in zip(params, gs) if g is not None})
-    return out
-
-
-@examples(12)
-@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS))
-def test_sampled_first_iteration_applies_the_policy_gradient_with_the_exit_term(gc, mode, agg):
-    """With sampled exits the gradient grpo_update hands its optimizer on iteration 1 is
-    -sum_b w_b A_b grad sum_t [log pi(token) + log p(exit)], the exit term written out here from the gates
-    (float64): dropping the exit term (the gate would get no gradient), its sign or its scale fails. The
-    iteration-1 ratios of the joint policy are exactly 1."""
-    case, G, rewards = gc
-    model = case.model(torch.float64)
-    ro = _sampled_grpo_rollout(case, model, mode)
-    opt = RecordingOptimizer(model)
-    m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=G, loss_agg=agg, max_grad_norm=1e9))
-    assert len(opt.records) == 1 and m["exact/mismatched_exit_logprobs"] == 0
-    applied = opt.records[0][1]
-    A, w, seq = _advantages(rewards, G), _sequence_weights(agg, ro.mask), _sequence_grads_with_exits(model, ro)
-    assert applied.keys() == seq[0].keys(), f"{sorted(applied)} vs {sorted(seq[0])}"
-    learns = case.min_loops < case.cfg.total_ut_steps
-    assert ("model.early_exit_gate.bias" in applied) == learns
-    sensitive = set()
-    for n in applied:
-        expect = -sum(w[b] * A[b] * seq[b][n] for b in range(len(seq)))
-        tol = 1e-12 + 1e-9 * expect.abs() + 2**-20 * sum((w[b] * A[b]).abs() * seq[b][n].abs() for b in range(len(seq)))
-        diff = (applied[n] - expect).abs()
-        assert bool((diff <= tol).all()), f"{n}: max |applied - expected| = {diff.max():.3e} ({agg}, {mode})"
-        if bool((expect.abs() > tol).any()):
-            sensitive.add(n)
-    assert sensitive, "the expected gradient is within tolerance of 0 everywhere: the test would be vacuous"
-    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_ratio"] == 0.0, m
-
-
-def test_loop_cost_reward_hand_computed():
-    """reward = task reward - c x mean exit loop; c = 0 is the task reward itself (plain GRPO)."""
-    assert S.loop_cost_reward(1.0, [1, 2, 3], 0.25) == 0.5  # values exact in binary: equality is fair
-    assert S.loop_cost_reward(0.0, [4, 4], 0.25) == -1.0
-    assert S.loop_cost_reward(1.0, [1, 4], 0.0) == 1.0 and S.loop_cost_reward(0.5, [], 0.3) == 0.5
-
-
-def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
-    """The default policy: exit log-probs are 0 (its exits are not actions), records carry no
-    "exit_logprobs", and an explicit exit_policy="threshold" is the default bit for bit."""
-    model = S.LoopedLM(S.Config(**TINY), seed=0)
-    a = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1)
-    b = sample(model, [[1, 2], [3]], max_new_tokens=5, seed=1, exit_policy="threshold")
-    assert a.policy.exit_policy == "threshold" and not bool(a.exit_logprobs.any())
-    assert a.completions == b.completions and a.exit_loops == b.exit_loops and torch.equal(a.logprobs, b.logprobs)
-    assert all("exit_logprobs" not in r for r in S.rollout_records(a))
-    with pytest.raises(ValueError, match="threshold rule"):
-        sample(model, [[1]], exit_policy="sampled", exit_rule="hf")
-    with pytest.raises(ValueError, match="exit policy"):
-        sample(model, [[1]], exit_policy="always")
-
-
-def _sampled_records(n_prompts=10, new=12, min_loops=1, seed=0) -> tuple[S.LoopedLM, list[dict]]:
-    model = S.LoopedLM(S.Config(**(TINY | dict(total_ut_steps=3))), seed=0).double()
-    prompts = [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(n_prompts)]
-    ro = sample(model, prompts, max_new_tokens=new, exit_policy="sampled", min_loops=min_loops, seed=seed)
-    return model, S.rollout_records(ro)
-
-
-def test_verify_checks_sampled_exit_records(tmp_path, capsys):
-    """verify reads the optional "exit_logprobs" of sampled-exit records and checks them against the
-    reference (exit loops are draws, not rule decisions): the reference's own records pass, a perturbed
-    exit log-prob fails naming it, and an exit before --min-loops is a violation."""
-    _, recs = _sampled_records(min_loops=2)
-    assert all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
-    cfg_path = tmp_path / "cfg.json"
-    cfg_path.write_text(json.dumps(TINY | {"total_ut_steps": 3}))
-    good = _write_records(tmp_path / "good.jsonl", recs)
-    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "2", "--engine-dtype", "float64")
-    tokens = sum(len(r["completion_ids"]) for r in recs)
-    assert rc == 0 and s["exit_logprob_tokens"] == tokens and s["mismatched_exit_logprobs"] == 0, s
-    assert s["exit_rule_violations"] == 0 and s["max_abs_exit_diff"] <= 1e-12, s
-    bad = [dict(r) for r in recs]
-    bad[3] = dict(bad[3], exit_logprobs=[x + (1e-3 if k == 1 else 0) for k, x in enumerate(bad[3]["exit_logprobs"])])
-    bad_path = _write_records(tmp_path / "bad.jsonl", bad)
-    rc, s = _verify_json(capsys, cfg_path, bad_path, "--min-loops", "2", "--engine-dtype", "float64")
-    assert rc == 1 and s["mismatched_exit_logprobs"] == 1, s
-    assert s["first_exit_mismatch"]["sequence"] == 3 and s["first_exit_mismatch"]["token"] == 1, s
-    rc, s = _verify_json(capsys, cfg_path, good, "--min-loops", "3", "--engine-dtype", "float64")  # exits at 2 too
-    assert rc == 1 and s["exit_rule_violations"] > 0 and s["mismatched_exit_logprobs"] > 0, s
-
-
-def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
-    """`rollout --exit-policy sampled` writes records with exit_logprobs that `verify` accepts."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3]}\n')
-    out = tmp_path / "r.jsonl"
-    rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)]
-                 + ["--exit-policy", "sampled", "--max-new-tokens", "6"])  # fmt: skip
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rc == 0 and all(len(r["exit_logprobs"]) == len(r["completion_ids"]) for r in recs)
-    rc, s = _verify_json(capsys, Path(TINY_JSON), out)
-    assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
-
-
-def test_bad_exit_logprobs_record_exits_2_naming_the_line(tmp_path, capsys):
-    """A record's exit_logprobs must be one finite number per completion token."""
-    good = dict(GOOD_RECORD, exit_logprobs=[-0.5] * len(GOOD_RECORD["completion_ids"]))
-    for bad, needle in [(dict(good, exit_logprobs=[-0.5]), "'exit_logprobs' must be a list of"),
-                        (dict(good, exit_logprobs="x"), "'exit_logprobs' must be a list of")]:  # fmt: skip
-        path = tmp_path / "r.jsonl"
-        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-        rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(path)])
-        assert rc == 2
-        _one_line_error(err, f"{path}:2:", needle)
-
-
-SAMPLED_BAD_FLAGS = [
-    ("train", ["--loop-cost", "-1"]),
-    ("train", ["--loop-cost", "nan"]),
-    ("demo", ["--loop-cost", "inf"]),
-    ("train", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
-    ("demo", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
-    ("rollout", ["--exit-policy", "sampled", "--exit-rule", "hf"]),
+# Record lines verify must refuse as line 2 of a file whose line 1 is GOOD_RECORD, with what the error says:
+# records malformed or inconsistent, then lines no JSON reader should turn into a traceback (deep nesting
+# and huge numbers are refused by limits, not by a RecursionError).
+BAD_RECORD_LINES = [
+    ("not json", "not valid JSON"),
+    ('{"prompt_ids": [1], "completion_ids": [2]}', "missing list key 'exit_loops'"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1, 1], "logprobs": [0.0]}', "lengths disagree"),
+    ('{"prompt_ids": [1], "completion_ids": [999], "exit_loops": [1], "logprobs": [0.0]}', "outside the vocabulary"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [9], "logprobs": [0.0]}', "outside 1..4"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
+    (json.dumps(GOOD_RECORD | {"exit_logprobs": [-0.5]}), "'exit_logprobs' must be a list of"),
+    (json.dumps(GOOD_RECORD | {"exit_logprobs": "x"}), "'exit_logprobs' must be a list of"),
+    ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+    (
+        '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
+        + "1" * 400
+        + "}",
+        "digits",
+    ),
+    ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [-' + "1" * 400 + "]}", "digits"),
+    ('{"prompt_ids": [' + "1" * 5000 + '], "completion_ids": [], "exit_loops": [], "logprobs": []}', "digits"),
 ]
 
 
-@pytest.mark.parametrize("command,extra", SAMPLED_BAD_FLAGS)
-def test_sampled_exit_flags_refused_before_any_work(tmp_path, capsys, command, extra):
-    """--loop-cost must be a finite number >= 0, and sampled exits do not combine with the hf rule (a
-    threshold rule's arithmetic): exit 2 naming the flag, before any work, nothing written."""
-    rc, err = _run(capsys, _flags(tmp_path, command) + extra)
+@pytest.mark.parametrize(
+    "line,needle", BAD_RECORD_LINES, ids=[f"{i}-{needle}" for i, (_, needle) in enumerate(BAD_RECORD_LINES)]
+)
+def test_bad_record_exits_2_naming_file_and_line(tmp_path, capsys, line, needle):
+    """A record verify cannot read, or one that cannot be right, exits 2 with one line naming the file and
+    line and what is wrong (an exit_logprobs list must hold one finite number per completion token)."""
+    records = _good_records(tmp_path, line)
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
     assert rc == 2
-    _one_line_error(err, extra[0])
-    assert capsys.readouterr().out == "" and not (tmp_path / "out").exists()
+    _one_line_error(err, f"{records}:2:", needle)
+
+
+def test_non_utf8_and_lone_surrogate_name_file_and_line(tmp_path, capsys):
+    """Bytes that are not UTF-8 and a prompt with a lone surrogate are errors naming file and line."""
+    records = tmp_path / "r.jsonl"
+    records.write_bytes(json.dumps(GOOD_RECORD).encode() + b"\n\xff\xfe\n")
+    rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", "UTF-8")
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": "\\ud800"}\n')
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:2:", "'prompt'")
+    prompts.write_text("[" * 100_000 + "\n")
+    rc, err = _run(capsys, ["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists()
+    _one_line_error(err, f"{prompts}:1:", "nested deeper")
+
+
+def test_verify_tiny_temperature_is_bad_input(tmp_path, capsys):
+    """temperature 5e-324 makes logits / T overflow: exit 2 naming the line, not a silent pass."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = _good_records(tmp_path, json.dumps(GOOD_RECORD | {"temperature": 5e-324}))
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 2
+    _one_line_error(err, f"{records}:2:", "temperature", "overflow")
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+
+HUGE_CONFIGS = [
+    {"vocab_size": 10**12},
+    {"hidden_size": 2**31},
+    {"intermediate_size": 10**12},
+    {"num_attention_heads": 2**28, "num_key_value_heads": 1, "head_dim": 8},
+    {"head_dim": 2**32},
+    {"total_ut_steps": 10**9},
+    {"max_position_embeddings": 10**12},
+]
+
+
+@pytest.mark.parametrize("override", HUGE_CONFIGS)
+def test_huge_config_refused_before_allocation(tmp_path, capsys, override):
+    """A config that would need more than MAX_MODEL_BYTES is refused at once, with the bytes it needs."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(TINY | override))
+    rc, err = _run(capsys, ["verify", "--config", str(cfg), "--rollouts", str(_good_records(tmp_path))])
+    assert rc == 2
+    _one_line_error(err, str(cfg), "bytes", "MAX_MODEL_BYTES")
+
+
+def test_ouro_1_4b_config_is_within_the_memory_limit():
+    """The real Ouro-1.4B shape must stay loadable under the limit (its KV is counted at 4096 positions)."""
+    ouro = {
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "total_ut_steps": 4,
+        "max_position_embeddings": 65536,
+    }
+    cfg = S.Config.from_dict(ouro, "ouro")
+    assert sum(S._config_bytes(cfg).values()) < S.MAX_MODEL_BYTES
+
+
+def test_config_bytes_count_the_parameters():
+    """The memory estimate counts exactly the parameters the model allocates (8 bytes each)."""
+    cfg = S.Config(**TINY)
+    assert S._config_bytes(cfg)["parameters"] == 8 * sum(p.numel() for p in S.LoopedLM(cfg).parameters())
+
+
+def _bad_hf_config(path: Path, **override) -> Path:
+    d = S.config_to_hf(S.Config(**TINY)) | override
+    (path / "config.json").write_text(json.dumps(d))
+    return path
 
 
 @pytest.mark.parametrize(
-    "options", [dict(numerics="invariant"), dict(dtype="bfloat16", mu=2), dict(mode="dense", beta=0.1, mu=2)]
+    "override,needle",
+    [
+        ({"rope_scaling": [1, 2]}, "'rope_scaling'"),
+        ({"layer_types": "full_attention"}, "'layer_types'"),
+        ({"layer_types": [1]}, "'layer_types'"),
+        ({"hidden_act": 3}, "'hidden_act'"),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": 1}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": float("nan")}, "'tie_word_embeddings'"),
+        ({"tie_word_embeddings": [True]}, "'tie_word_embeddings'"),
+        ({"initializer_range": float("nan")}, "'initializer_range'"),
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps'"),
+        ({"eos_token_id": ["a"]}, "'eos_token_id'"),
+    ],
 )
-def test_training_with_sampled_exits_is_exact_with_every_option(options):
-    """Two GRPO steps with sampled exits and a loop cost, under invariant numerics, bfloat16, dense mode,
-    mu = 2 and a KL term: every step's replay reproduces both log-probs bit for bit, and the metrics report
-    both parts of the policy's log-prob."""
-    cfg = S.TrainConfig(config=TINY_JSON, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4,
-                        reward="digits", exit_policy="sampled", loop_cost=0.1, **options)  # fmt: skip
-    history = S.train(cfg, log=lambda *_: None)["history"]
-    for m in history:
-        assert m["exact/mismatched_tokens"] == 0 and m["exact/mismatched_exit_logprobs"] == 0, m
-        assert m["sampling/sampling_logp_difference/max"] == 0.0 and m["exit/logprob_mean"] < 0, m
-        assert m["reward"] < m["task_reward"]  # every sequence pays for at least one loop
+def test_hf_config_keys_are_type_checked(tmp_path, capsys, override, needle):
+    """Every config key is type-checked (booleans too): a wrong type is an error naming it, not a traceback."""
+    ckpt = _bad_hf_config(_tiny_checkpoint(tmp_path / "m"), **override)
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, str(ckpt / "config.json"), needle)
 
 
-def test_resumed_sampled_run_equals_uninterrupted(tmp_path):
-    """--resume with sampled exits continues bit for bit: 3 steps straight = 2 steps, then resumed to 3."""
-    base = dict(config=TINY_JSON, prompts_per_step=2, group_size=2, max_new_tokens=4, reward="digits",
-                exit_policy="sampled", loop_cost=0.05, save_every=1)  # fmt: skip
-    straight = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "a"), **base), log=lambda *_: None)["model"]
-    S.train(S.TrainConfig(steps=2, out=str(tmp_path / "b"), **base), log=lambda *_: None)
-    resumed = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "b"), resume=True, **base), log=lambda *_: None)[
-        "model"
-    ]
-    for (n, p), q in zip(straight.named_parameters(), resumed.parameters()):
-        assert torch.equal(p, q), n
+# --- prompts and data ------------------------------------------------------------------------------
 
 
-# --- issue 17: bad inputs refused at the edges ---
+def test_rollout_command_refuses_bad_prompt_ids(tmp_path, capsys):
+    """Prompt ids that are not in-vocabulary integers are refused naming the prompts file and line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1.7]}\n')
+    rc = S.main(["rollout", "--config", TINY_JSON, "--prompts", str(path), "--out", str(tmp_path / "o.jsonl")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{path}:2:" in err and "1.7" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ('{"question": "q", "answer": "#### 1"}\n{"question": "q"}\n', ":2: missing string key 'answer'"),
+        ('{"question": "q", "answer": "no final answer"}\n', ":1: 'answer' has no '#### <number>'"),
+        ('{"question": "q", "answer": "#### 1"}\nnot json\n', ":2: not valid JSON"),
+        ("", "has no problems"),
+    ],
+)
+def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
+    """Malformed GSM8K files are refused with the file and line named."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError) as e:
+        S.gsm8k_load(path)
+    assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
+    """A subset larger than the file and a prompt over the position limit are clear errors."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
+    )
+    with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
+        S.gsm8k_load(path, subset=5)
+    rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
+        S.train(S.TrainConfig(config=TINY_JSON, data=str(path), device="cpu"))
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+
+
+def test_bad_checkpoint_is_refused_naming_tensors(tmp_path):
+    """A checkpoint that does not match its config must fail loudly, listing every culprit."""
+    cfg = S.Config(**TINY)
+    tensors = dict(S.LoopedLM(cfg).state_dict())
+    missing, extra = "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_norm.weight"
+    misshapen = "lm_head.weight"
+    del tensors[missing]
+    tensors[extra] = torch.ones(cfg.head_dim)
+    tensors[misshapen] = torch.zeros(cfg.vocab_size + 1, cfg.hidden_size)
+    _write_hf_checkpoint(tmp_path, cfg, {"model.safetensors": tensors})
+    with pytest.raises(ValueError) as err:
+        S.LoopedLM.from_pretrained(tmp_path)
+    for name in (missing, extra, misshapen):
+        assert name in str(err.value), f"{name} not named in: {err.value}"
+
+
+def test_verify_refuses_nan_checkpoint(tmp_path, capsys):
+    """A checkpoint holding NaN no longer verifies as agreement: it is refused, naming the tensor."""
+    st_ = pytest.importorskip("safetensors.torch")
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    tensors = st_.load_file(str(ckpt / "model.safetensors"))
+    tensors["lm_head.weight"][0, 0] = float("nan")
+    st_.save_file(tensors, str(ckpt / "model.safetensors"))
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, str(ckpt), "lm_head.weight", "NaN")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_non_float_checkpoint_tensors_are_listed(tmp_path, dtype):
+    """Integer or bool tensors are refused (a silent cast would make up weights), every one listed."""
+    sd = {k: v.clone() for k, v in S.LoopedLM(S.Config(**TINY)).state_dict().items()}
+    names = ["lm_head.weight", "model.norm.weight"]
+    for k in names:
+        sd[k] = sd[k].to(dtype)
+    _write_hf_checkpoint(tmp_path, S.Config(**TINY), {"model.safetensors": sd})
+    with pytest.raises(ValueError, match="must be floating point") as e:
+        S.LoopedLM.from_pretrained(tmp_path)
+    assert all(k in str(e.value) for k in names), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "index,needle",
+    [
+        ({"weight_map": {"lm_head.weight": "../elsewhere/x.safetensors"}}, "outside the checkpoint folder"),
+        ({"weight_map": {"lm_head.weight": "/etc/passwd"}}, "outside the checkpoint folder"),
+        ({"weight_map": ["model.safetensors"]}, "needs a non-empty object 'weight_map'"),
+        ([{"weight_map": {}}], "needs a non-empty object 'weight_map'"),
+        ({"weight_map": {"lm_head.weight": 3}}, "not a file name"),
+        ({"weight_map": {"lm_head.weight": "missing.safetensors"}}, "no such file"),
+    ],
+)
+def test_bad_index_is_refused(tmp_path, capsys, index, needle):
+    """A sharded index is validated (its JSON shape, its names, every shard inside the folder)."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "elsewhere").mkdir()
+    S.save_checkpoint(S.LoopedLM(S.Config(**TINY)), tmp_path / "elsewhere")  # a real file to be lured to
+    (tmp_path / "elsewhere" / "model.safetensors").rename(tmp_path / "elsewhere" / "x.safetensors")
+    rc, err = _verify_tiny(capsys, ckpt, _good_records(tmp_path))
+    assert rc == 2
+    _one_line_error(err, "model.safetensors.index.json", needle)
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"model": 3}'])
+def test_bad_tokenizer_is_one_line(tmp_path, capsys, content):
+    """train --model with a folder or a corrupt tokenizer.json: exit 2 naming it, no traceback."""
+    pytest.importorskip("tokenizers")
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    if content is None:
+        (ckpt / "tokenizer.json").mkdir()
+    else:
+        (ckpt / "tokenizer.json").write_text(content)
+    rc, err = _run(capsys, ["train", "--model", str(ckpt), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "tokenizer.json")
+
+
+# --- paths and disk errors -------------------------------------------------------------------------
+
+
+def test_paths_are_checked(tmp_path, capsys):
+    """A --model that is a file, a config.json that is a folder, missing or folder inputs: one-line errors."""
+    ckpt = _tiny_checkpoint(tmp_path / "m")
+    records = _good_records(tmp_path)
+    rc, err = _verify_tiny(capsys, records, records)
+    assert rc == 2
+    _one_line_error(err, "--model", "is not a folder")
+    rc, err = _verify_tiny(capsys, ckpt, tmp_path)
+    assert rc == 2
+    _one_line_error(err, "--rollouts", "is not a file")
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()
+    rc, err = _verify_tiny(capsys, ckpt, records)
+    assert rc == 2
+    _one_line_error(err, "config.json", "is not a file")
+    rc, err = _run(capsys, ["train", "--config", str(tmp_path / "nope.json"), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "--config", "no such file")
+    rc, err = _run(capsys, ["train", "--data", str(tmp_path), "--steps", "1", "--device", "cpu"])
+    assert rc == 2
+    _one_line_error(err, "--data", "is not a file")
+
+
+@pytest.mark.parametrize("out", ["/proc/scalerlt-issue14/run", "FILE"])
+def test_unwritable_out_refused_before_any_work(tmp_path, capsys, out):
+    """An --out that cannot be written (read-only file system, an existing file) is found up front."""
+    if out == "FILE":
+        out = str(tmp_path / "a-file")
+        Path(out).write_text("x")
+    capsys.readouterr()
+    rc = S.main(_flags(tmp_path, "train")[:-1] + [out])
+    printed, err = capsys.readouterr()
+    assert rc == 2 and printed == "", printed
+    _one_line_error(err, "--out")
+
+
+def test_disk_error_is_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk while saving is a one-line error naming the file, not a traceback."""
+
+    def full(out, *a, **k):
+        raise OSError(28, "No space left on device", str(out / "trainer_state.pt"))
+
+    monkeypatch.setattr(S, "save_trainer_state", full)
+    rc, err = _run(
+        capsys,
+        _flags(tmp_path, "train")[:-1]
+        + [
+            str(tmp_path / "run"),
+            "--sft-steps",
+            "0",
+            "--prompts-per-step",
+            "1",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "2",
+        ],
+    )
+    assert rc == 2
+    _one_line_error(err, "No space left on device", "trainer_state.pt")
+
+
+# --- fuzz: generated bad records, configs and prompts ----------------------------------------------
+
+
+def _main_captured(argv: list[str]) -> tuple[int, str]:
+    """S.main with stdout and stderr captured (hypothesis tests cannot use the function-scoped capsys)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        rc = S.main(argv)
+    return rc, err.getvalue()
+
+
+_HUGE = 10**400  # json.dumps writes it; reading it must hit the number limit, not OverflowError
+_NOT_A_NUMBER = st.sampled_from([float("nan"), float("inf"), -float("inf"), "1", None, True, [1], {"a": 1}, _HUGE])
+_DEEP = st.integers(S.JSON_MAX_DEPTH, 3 * S.JSON_MAX_DEPTH).map(lambda n: json.loads("[" * n + "]" * n))
+
+
+@st.composite
+def bad_records(draw) -> str:
+    """One record line that must be refused: a good record with one field (or one element) made bad."""
+    rec = json.loads(json.dumps(GOOD_RECORD))
+    key = draw(st.sampled_from(["prompt_ids", "completion_ids", "exit_loops", "logprobs", "temperature", "whole"]))
+    if key == "whole":
+        return draw(st.sampled_from(['{"prompt_ids": [1', "[1, 2]", '"text"', "nul\x00l", "{}"]))
+    if key == "temperature":
+        rec[key] = draw(st.one_of(_NOT_A_NUMBER, st.sampled_from([-1.0, -1e-300, 5e-324]), _DEEP))
+    elif draw(st.booleans()):
+        rec[key] = draw(st.one_of(st.sampled_from([None, "x", 3, {"a": 1}, True]), _DEEP))
+    else:
+        i = draw(st.integers(0, len(rec[key]) - 1))
+        ids = st.sampled_from([-1, 50, 10**30, 1.5, "1", None, True, _HUGE])  # TINY's vocabulary is 0..49
+        bad = {
+            "prompt_ids": ids,
+            "completion_ids": ids,
+            "exit_loops": st.sampled_from([0, 3, -1, 1.0, "1", True]),
+            "logprobs": _NOT_A_NUMBER,
+        }[key]
+        rec[key][i] = draw(st.one_of(bad, _DEEP))
+    return json.dumps(rec)
+
+
+@examples(40)
+@given(line=bad_records())
+def test_fuzzed_bad_records_exit_2_naming_file_and_line(tmp_path_factory, line):
+    """Whatever is wrong with a record, verify exits 2 with one line naming the file and line, never a
+    traceback, never agreement."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    records = tmp / "r.jsonl"
+    records.write_text(json.dumps(GOOD_RECORD) + "\n" + line + "\n")
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps(TINY))
+    rc, err = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    assert rc == 2, line
+    _one_line_error(err, f"{records}:2:")
+
+
+_INT_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "total_ut_steps",
+    "max_position_embeddings",
+]
+_BAD_INT = st.sampled_from([0, -1, "4", 2.5, True, None, [1], float("nan"), 10**13, _HUGE])
+
+
+@st.composite
+def bad_configs(draw) -> tuple[str, object]:
+    """(key, value) that no config may have."""
+    return draw(
+        st.one_of(
+            st.tuples(st.sampled_from(_INT_KEYS), _BAD_INT),
+            st.tuples(st.just("head_dim"), st.sampled_from([-2, 3, "8", 2.5, True, [8], 2**40])),
+            st.tuples(
+                st.sampled_from(["early_exit_threshold", "rope_theta", "rms_norm_eps", "initializer_range"]),
+                st.sampled_from([float("nan"), float("inf"), "1", True, None, [1], _HUGE]),
+            ).filter(lambda kv: kv != ("early_exit_threshold", None)),  # null: no threshold, exit at R (issue 11)
+            st.tuples(st.sampled_from(["rope_theta", "rms_norm_eps", "initializer_range"]), st.just(-1.0)),
+            st.tuples(st.just("tie_word_embeddings"), st.sampled_from(["yes", 1, 0, float("nan"), [True], None])),
+            st.tuples(
+                st.sampled_from(["bos_token_id", "eos_token_id", "pad_token_id"]),
+                st.sampled_from([-1, 50, "1", 1.5, True, _HUGE]),
+            ),
+        )
+    )
+
+
+@examples(40)
+@given(bad=bad_configs())
+def test_fuzzed_bad_configs_exit_2_naming_file_and_key(tmp_path_factory, bad):
+    """Whatever is wrong with a config key, verify exits 2 with one line naming the file and the key (or
+    the bytes the config would need), never a traceback and never an allocation."""
+    key, value = bad
+    tmp = tmp_path_factory.mktemp("fuzz")
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps(TINY | {key: value}))
+    records = _good_records(tmp)
+    rc, msg = _main_captured(["verify", "--config", str(cfg), "--rollouts", str(records)])
+    assert rc == 2, (key, value)
+    _one_line_error(msg, str(cfg))
+    assert repr(key) in msg or "bytes" in msg or "digits" in msg, msg
+
+
+@st.composite
+def bad_prompt_lines(draw) -> str:
+    """One prompts-file line that `rollout` must refuse (tiny.json: vocabulary 0..259)."""
+    ids = st.one_of(
+        st.sampled_from([[], [-1], [260], [1.5], ["1"], [True], [None], [_HUGE], "12", 7]), _DEEP.map(lambda x: [x])
+    )
+    return draw(
+        st.one_of(
+            ids.map(lambda v: json.dumps({"prompt_ids": v})),
+            st.sampled_from([None, 3, ["a"], {"t": "x"}]).map(lambda v: json.dumps({"prompt": v})),
+            st.sampled_from(['{"prompt": "\\ud800"}', '{"prompt": "a\\udfff"}', "[1, 2]", '"text"', "{", "{}"]),
+            _DEEP.map(json.dumps),
+        )
+    )
+
+
+@examples(25)
+@given(line=bad_prompt_lines())
+def test_fuzzed_bad_prompts_exit_2_naming_file_and_line(tmp_path_factory, line):
+    """Whatever is wrong with a prompt line, rollout exits 2 naming file and line and writes nothing."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    prompts, out = tmp / "p.jsonl", tmp / "o.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n' + line + "\n")
+    rc, err = _main_captured(["rollout", "--config", TINY_JSON, "--prompts", str(prompts), "--out", str(out)])
+    assert rc == 2 and not out.exists(), line
+    _one_line_error(err, f"{prompts}:2:")
+
+
+# --- bad inputs refused at the edges: numbers too large, configs, prompt and record lines ---
 
 HUGE_FLAGS = [
     ("rollout", "--temperature"),
@@ -3198,6 +3113,16 @@ def test_config_loader_refuses_negative_threshold_and_empty_eos_list(tmp_path, c
     _one_line_error(err, str(cfg), repr(key))
 
 
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ('{"prompt_ids": "x", "prompt": "ok"}', "'prompt_ids' must be a list, got str"),
+        ('{"prompt": 3}', "'prompt' must be a str, got int"),
+        ('{"prompt": ""}', "'prompt'"),
+        ('{"prompt": "' + "a" * 1030 + '"}', "position limit"),
+        ('{"prompt_ids": [' + ", ".join(["1"] * 1000) + "]}", "position limit"),
+    ],
+)
 def test_bad_prompt_lines_name_file_and_line(tmp_path, capsys, line, needle):
     """A prompt key of the wrong type (even beside a good one), an empty prompt and a prompt too long for
     the position limit are errors naming the prompts file and line, before sampling, writing nothing."""
