@@ -1231,42 +1231,17 @@ def _check_config_size(cfg) -> None:
         )
 
 
-_HF_IGNORED_KEYS = {  # HF metadata that does not change the math (checked where it could)
-    "architectures",
-    "auto_map",
-    "model_type",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "use_cache",
-    "initializer_range",
-    "attention_dropout",
-    "max_window_layers",
-    "sliding_window",
-    "use_sliding_window",
-    "layer_types",
-    "hidden_act",
-    "rope_scaling",
-    "attention_bias",
-    "early_exit_step",
-    "chunk_size",
-    "_name_or_path",
-    "is_decoder",
-    "output_hidden_states",
-}
+# HF metadata that does not change the math (checked where it could)
+_HF_IGNORED_KEYS = set(
+    "architectures auto_map model_type torch_dtype dtype transformers_version use_cache initializer_range "
+    "attention_dropout max_window_layers sliding_window use_sliding_window layer_types hidden_act rope_scaling "
+    "attention_bias early_exit_step chunk_size _name_or_path is_decoder output_hidden_states".split()
+)
 
-_HF_DEFAULTS = {  # OuroConfig's own defaults, for keys an HF config.json leaves out
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "total_ut_steps": 4,
-    "tie_word_embeddings": False,
-}
+_HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json leaves out
+    vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, total_ut_steps=4, tie_word_embeddings=False,
+)  # fmt: skip
 
 
 def is_hf_config(d) -> bool:
@@ -1483,22 +1458,10 @@ def _index_shards(index: Path) -> list[str]:
 
 # safetensors' dtype names, as torch dtypes (a tensor of any other dtype is refused: torch cannot hold it)
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
+    **{f"{k}{n}": getattr(torch, f"{t}{n}") for k, t in (("I", "int"), ("U", "uint")) for n in (8, 16, 32, 64)},
+}  # fmt: skip
 
 
 @dataclass
@@ -1807,32 +1770,7 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
     return rows
 
 
-_NAMES = [
-    "Ann",
-    "Ben",
-    "Cal",
-    "Dee",
-    "Eve",
-    "Fay",
-    "Gus",
-    "Hal",
-    "Ivy",
-    "Jo",
-    "Kim",
-    "Lee",
-    "Max",
-    "Ned",
-    "Oli",
-    "Pam",
-    "Rex",
-    "Sam",
-    "Tom",
-    "Uma",
-    "Val",
-    "Wes",
-    "Zoe",
-    "Ada",
-]
+_NAMES = "Ann Ben Cal Dee Eve Fay Gus Hal Ivy Jo Kim Lee Max Ned Oli Pam Rex Sam Tom Uma Val Wes Zoe Ada".split()
 _THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups", "stamps", "rocks", "toys", "hats"]
 
 

@@ -973,7 +973,7 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
         assert torch.equal(tok, ro.logprobs), f"tokens: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
         assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
     learner = S.learner_logprobs(model, ro)[0]
-    assert torch.equal(learner.detach().cpu(), ro.logprobs)
+    assert torch.equal(learner.detach().cpu(), S.joint_logprobs(ro, ro.logprobs, ro.exit_logprobs))
 
 
 @examples(25)
