@@ -3290,7 +3290,7 @@ class Failures:
 @dataclass
 class VerifyResult:
     """One record checked against the reference (`verify_records`); n its completion's length, tensors
-    (n,) float64."""
+    (n,) float64. `diff` and `exit_diff` are |delta| and |exit_delta|."""
 
     logprobs: torch.Tensor  # the reference's log-probs, recomputed teacher-forced
     delta: torch.Tensor  # recorded - reference
@@ -3310,18 +3310,10 @@ class VerifyResult:
         return None if self.exit_delta is None else self.exit_delta.abs()
 
     @classmethod
-    def of(
-        cls,
-        rec: dict,
-        lp: torch.Tensor,
-        exit_lp: torch.Tensor,
-        policy: torch.Tensor,
-        violations: list[dict] = (),
-        rule_exits: list[int | None] = (),
-    ) -> VerifyResult:
-        """The result of record `rec` from the reference's figures per token, (n,) float64: log-probs lp,
-        exit log-probs exit_lp (read for sampled exits only), and policy, the PIT (temperature > 0) or the
-        greedy gap (temperature 0)."""
+    def of(cls, rec: dict, lp, exit_lp, policy, violations=(), rule_exits=()) -> VerifyResult:
+        """The result of record `rec` from the reference's figures per token, (n,) float64 tensors: log-probs
+        lp, exit log-probs exit_lp (read for sampled exits only), and policy, the PIT (temperature > 0) or
+        the greedy gap (temperature 0); the violations and the rule's exits as `_verify_batch` found them."""
         sampled, sampled_exits = rec["temperature"] > 0, "exit_logprobs" in rec
         return cls(
             logprobs=lp,
@@ -3396,11 +3388,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor) -> tupl
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        schedule = teacher_forced_schedule(ro, R)
-        lp, exit_lp = (
-            x.cpu().double() for x in execute_schedule(model, ro, schedule, "fast", collect_gates, score_policy)
-        )
-    return lp, exit_lp, gates, ran, policy
+        lp, exit_lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy)
+    return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
 def _rule_exits(
@@ -3967,11 +3956,18 @@ def _bench_setup(args) -> _BenchSetup:
 
 
 def _bench_rollout(
-    model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int, threshold: float, temperature: float = 1.0
+    s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
 ) -> Rollout:
-    """Every rollout the bench times (seed 0: the prompts come from --seed)."""
+    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled from --seed or
+    greedy."""
     return rollout(
-        model, prompts, mode=mode, max_new_tokens=new_tokens, temperature=temperature, exit_threshold=threshold
+        model,
+        prompts,
+        mode=mode,
+        max_new_tokens=new_tokens or s.args.new_tokens,
+        temperature=0.0 if greedy else 1.0,
+        exit_threshold=s.threshold,
+        seed=s.args.seed,
     )
 
 
@@ -4020,9 +4016,7 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
 def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> dict[str, tuple[Rollout, list[float]]]:
     """Dense and deferred rollouts of a batch, --repeats times each, alternating so that drift hits both
     alike: per mode, the last rollout and the times."""
-    run = {
-        m: (lambda m=m: _bench_rollout(model, batch, m, s.args.new_tokens, s.threshold)) for m in ("dense", "deferred")
-    }
+    run = {m: (lambda m=m: _bench_rollout(s, model, batch, m)) for m in ("dense", "deferred")}
     run["deferred"]()  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
@@ -4075,9 +4069,7 @@ def _replay_vs_rollout(
     rt, rp = (rt, []) if s.real else ([], [])
     for _ in range(s.args.repeats):
         if not s.real:
-            dt, ro = _timed(
-                s.device, lambda: _bench_rollout(model, s.prompts[:8], "deferred", s.args.new_tokens, s.threshold)
-            )
+            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:8], "deferred"))
             rt.append(dt)
         dt, replay = _timed(s.device, lambda: replay_logprobs(model, ro))
         rp.append(dt)
@@ -4139,7 +4131,7 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
     rows, figures = [], {}
     for name, prompt in prompts:
         t_rec, ids_rec = _timed(s.device, lambda: recompute_rollout(model, prompt, n, s.threshold))
-        t_cached, ro = _timed(s.device, lambda: _bench_rollout(model, [prompt], "dense", n, s.threshold, 0.0))
+        t_cached, ro = _timed(s.device, lambda: _bench_rollout(s, model, [prompt], "dense", n, greedy=True))
         figures[f"cache_speedup{name}"] = round(t_rec / t_cached, 2)
         same = ids_rec == ro.completions[0]
         text = f"recompute {t_rec:.2f}s, cached dense {t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {same}"
