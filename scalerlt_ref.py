@@ -2670,6 +2670,36 @@ ENGINE_TOLERANCES = {  # engine dtype: (atol, flip margin)
 RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(recorded - reference) is outside 1 ± x
 
 
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How `verify_records` recomputes records and `verify_summary` judges them (the flags of `verify`)."""
+
+    kv: str = "exact"  # the KV semantics the engine claims (KV_MODES)
+    threshold: float | None = None  # the exit threshold (None: the config's)
+    min_loops: int = 1  # no position exits before this loop
+    exit_rule: str = "survival"  # EXIT_RULES
+    rule_dtype: torch.dtype | None = None  # the rule runs on the reference's gates in this dtype (None: the model's)
+    seed: int = 0  # of the sampler test's uniforms
+    batch_size: int = 16  # sequences per teacher-forced pass
+    atol: float = 1e-3  # the largest accepted |recorded - reference| log-prob (a float32 engine's)
+    flip_margin: float = 1e-3  # the largest |CDF - threshold| of a near-threshold flip (a float32 engine's)
+    sampler_alpha: float = 1e-3  # the sampler test fails below this p-value
+
+    @classmethod
+    def for_engine(
+        cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, **kw
+    ) -> VerifyOptions:
+        """Options for an engine that computed in `engine_dtype` (a key of ENGINE_DTYPES): its tolerances
+        (unless atol or flip_margin is given) and the exit rule evaluated in its dtype."""
+        engine_atol, engine_flip = ENGINE_TOLERANCES[engine_dtype]
+        return cls(
+            atol=engine_atol if atol is None else atol,
+            flip_margin=engine_flip if flip_margin is None else flip_margin,
+            rule_dtype=ENGINE_DTYPES[engine_dtype],
+            **kw,
+        )
+
+
 def records_rollout(
     recs: list[dict], kv: str = "exact", exit_rule: str = "survival", exit_policy: str = "threshold", min_loops: int = 1
 ) -> Rollout:
@@ -2801,34 +2831,96 @@ def _exit_violation(
     return {"recorded": recorded, "rule": rule_exit if rule_exit is not None else f">{gates.numel()}", "margin": margin}
 
 
-def _verify_batch(
-    model: LoopedLM,
-    recs: list[dict],
-    indices: list[int],
-    *,
-    kv: str,
-    tau: float | None,
-    min_loops: int,
-    exit_rule: str,
-    rule_dtype: torch.dtype | None,
-    seed: int,
-) -> list[dict]:
-    """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
+@dataclass
+class Failures:
+    """One record's failing tokens by kind, at a tolerance (`VerifyResult.failures`)."""
+
+    logprobs: list[int]  # tokens whose |recorded - reference| log-prob is over atol (NaN too)
+    exit_logprobs: list[int]  # the same for log p(exit = e) (sampled exits)
+    violations: list[dict]  # exit-rule disagreements beyond the flip margin: wrong depths
+    greedy: list[int]  # greedy tokens more than 2 * atol below the reference's best log-prob
+
+    def __bool__(self) -> bool:
+        return bool(self.logprobs or self.exit_logprobs or self.violations or self.greedy)
+
+
+@dataclass
+class VerifyResult:
+    """One record checked against the reference (`verify_records`); n its completion's length, tensors
+    (n,) float64. `diff` and `exit_diff` are |delta| and |exit_delta|."""
+
+    logprobs: torch.Tensor  # the reference's log-probs, recomputed teacher-forced
+    delta: torch.Tensor  # recorded - reference
+    violations: list[dict] = field(default_factory=list)  # every exit-rule disagreement (`_exit_violation`)
+    rule_exits: list[int | None] = field(default_factory=list)  # per token (None: undecided by the loops run)
+    pit: torch.Tensor | None = None  # the randomized PIT of each token (temperature > 0), else None
+    greedy_gap: torch.Tensor | None = None  # best log-prob - the token's (temperature 0), else None
+    exit_logprobs: torch.Tensor | None = None  # the reference's log p(exit = e) (sampled exits), else None
+    exit_delta: torch.Tensor | None = None  # recorded - reference exit log-probs (sampled exits), else None
+
+    @property
+    def diff(self) -> torch.Tensor:
+        return self.delta.abs()
+
+    @property
+    def exit_diff(self) -> torch.Tensor | None:
+        return None if self.exit_delta is None else self.exit_delta.abs()
+
+    @classmethod
+    def of(cls, rec: dict, lp, exit_lp, policy, violations=(), rule_exits=()) -> VerifyResult:
+        """The result of record `rec` from the reference's figures per token, (n,) float64 tensors: log-probs
+        lp, exit log-probs exit_lp (read for sampled exits only), and policy, the PIT (temperature > 0) or
+        the greedy gap (temperature 0); the violations and the rule's exits as `_verify_batch` found them."""
+        sampled, sampled_exits = rec["temperature"] > 0, "exit_logprobs" in rec
+        return cls(
+            logprobs=lp,
+            delta=torch.tensor(rec["logprobs"], dtype=torch.float64) - lp,
+            violations=list(violations),
+            rule_exits=list(rule_exits),
+            pit=policy if sampled else None,
+            greedy_gap=None if sampled else policy,
+            exit_logprobs=exit_lp if sampled_exits else None,
+            exit_delta=torch.tensor(rec["exit_logprobs"], dtype=torch.float64) - exit_lp if sampled_exits else None,
+        )
+
+    def failures(self, atol: float, flip_margin: float) -> Failures:
+        """The tokens that fail `verify` at these tolerances."""
+
+        def over(x: torch.Tensor | None, tol: float) -> list[int]:  # NOTE: ~(x <= tol), so that NaN fails
+            return [] if x is None else (~(x <= tol)).nonzero()[:, 0].tolist()
+
+        return Failures(
+            logprobs=over(self.diff, atol),
+            exit_logprobs=over(self.exit_diff, atol),
+            violations=[v for v in self.violations if v["margin"] is None or not abs(v["margin"]) <= flip_margin],
+            # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
+            greedy=over(self.greedy_gap, 2 * atol),
+        )
+
+
+def _sampler_uniforms(ro: Rollout, indices: list[int], seed: int) -> torch.Tensor:
+    """(B, N) float64: one uniform per token, from its sequence's own stream (`sampler_seed` of its index
+    in the file), so that the results do not depend on the batch."""
+    uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
+    for b, (i, c) in enumerate(zip(indices, ro.completions)):
+        gen = torch.Generator().manual_seed(sampler_seed(seed, i))
+        uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
+    return uniforms
+
+
+def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One teacher-forced pass of records' rollout `ro`, per token: (lp, exit_lp, gates, ran, policy).
+
+    lp, exit_lp (B, N) float64 the reference's log-probs and exit log-probs; gates (B, N, R) in the model's
+    dtype, the gate logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under
+    kv="last_exited"); policy (B, N) float64 the PIT with `uniforms` (temperature > 0) or the greedy gap."""
     R = model.config.total_ut_steps
-    any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
-    ro = records_rollout(recs, kv, exit_rule, "sampled" if any_sampled else "threshold", min_loops)
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
     length = torch.tensor([len(c) for c in ro.completions])  # (B,)
-    gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # the gate logit of every loop run, per token
-    ran = torch.zeros(B, N, dtype=torch.long)  # loops run per token's position (R, except under last_exited)
-    policy = torch.full((B, N), math.nan, dtype=torch.float64)  # each token's PIT, or its greedy gap
-    uniforms = torch.zeros(B, N, dtype=torch.float64)  # one per token, from the sequence's own stream, so
-    for b, (i, n) in enumerate(zip(indices, length.tolist())):  # the results do not depend on the batch
-        uniforms[b, :n] = torch.rand(
-            n, generator=torch.Generator().manual_seed(sampler_seed(seed, i)), dtype=torch.float64
-        )
-    sampled = ro.policy.temperature > 0
+    gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # (B, N, R)
+    ran = torch.zeros(B, N, dtype=torch.long)  # (B, N)
+    policy = torch.full((B, N), math.nan, dtype=torch.float64)  # (B, N)
 
     def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
@@ -2849,131 +2941,109 @@ def _verify_batch(
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
         b, k, _ = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
-        if sampled:
+        if ro.policy.temperature > 0:
             policy[b, k] = randomized_pit(logp, tok, uniforms[b, k]).cpu()
         else:  # greedy: how far below the reference's best the recorded token is (0: an argmax, ties too)
             lp = logp.double()
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        lp_all, exit_all = (
-            x.cpu()
-            for x in execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy)
-        )  # (B, N) each
-    # The rule at every producing position at once, positions grouped by the loops they ran (all R, except
-    # under kv="last_exited"). It runs on the reference's gates rounded to the engine's dtype: an engine
-    # decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
-    rule_gates = gates.to(rule_dtype or model.dtype)  # (B, N, R)
-    rule_exits = torch.full((B, N), -1, dtype=torch.long)  # -1: undecided by the loops run
-    for j in sorted(set(ran[ro.mask].tolist())):
-        sel = ro.mask & (ran == j)  # (B, N)
-        decided = exit_loops(rule_gates[sel][:, :j], R, tau, min_loops, exit_rule)
+        lp, exit_lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy)
+    return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
+
+
+def _rule_exits(
+    gates: torch.Tensor, ran: torch.Tensor, mask: torch.Tensor, R: int, opts: VerifyOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule at every producing position at once, positions grouped by the loops they ran (all R, except
+    under kv="last_exited"): (rule_gates (B, N, R), rule_exits (B, N) long, -1 where undecided). It runs on
+    the reference's gates rounded to the engine's dtype: an engine decides from gates in its own dtype, and
+    HF's arithmetic rounds differently in each."""
+    rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
+    rule_exits = torch.full(mask.shape, -1, dtype=torch.long)  # (B, N)
+    for j in sorted(set(ran[mask].tolist())):
+        sel = mask & (ran == j)  # (B, N)
+        decided = exit_loops(rule_gates[sel][:, :j], R, opts.threshold, opts.min_loops, opts.exit_rule)
         rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+    return rule_gates, rule_exits
+
+
+def _violations(
+    rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list[int | None], R: int, opts: VerifyOptions
+) -> list[dict]:
+    """A record's exit loops against the rule: rule_gates (n, R), ran (n,), rule_exits the rule's per token."""
+    sampled_exits = "exit_logprobs" in rec
+    violations = []
+    for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], rule_exits)):
+        if sampled_exits and e < opts.min_loops:  # a draw the policy can never make (its log-prob is -inf)
+            violations.append({"token": k, "recorded": e, "rule": f">={opts.min_loops}", "margin": None})
+        elif not sampled_exits and e != rule_e:  # sampled exits are draws: no rule to break
+            g = rule_gates[k, : ran[k]]  # (loops run,)
+            v = _exit_violation(g, e, rule_e, R, opts.threshold, opts.min_loops, opts.exit_rule)
+            violations.append({"token": k, **v})
+    return violations
+
+
+def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
+    """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
+    R = model.config.total_ut_steps
+    any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
+    ro = records_rollout(recs, opts.kv, opts.exit_rule, "sampled" if any_sampled else "threshold", opts.min_loops)
+    lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, _sampler_uniforms(ro, indices, opts.seed))
+    rule_gates, rule_exits = _rule_exits(gates, ran, ro.mask, R, opts)
     results = []
     for b, (i, rec) in enumerate(zip(indices, recs)):
         n = len(rec["completion_ids"])
-        lp = lp_all[b, :n].double()  # (n,)
         try:
-            _check_reference_finite(model, rec, kv, lp, gates[b, :n], ran[b, :n])
+            _check_reference_finite(model, rec, opts.kv, lp[b, :n], gates[b, :n], ran[b, :n])
         except (ValueError, NonFiniteError) as err:
             err.index = i  # which record: the command names its file line
             raise
-        delta = ro.logprobs[b, :n] - lp  # (n,) recorded - reference
         exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
-        violations = []
-        sampled_exits = "exit_logprobs" in rec
-        for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], exits)):
-            if sampled_exits and e < min_loops:  # a draw the policy can never make (its log-prob is -inf)
-                violations.append({"token": k, "recorded": e, "rule": f">={min_loops}", "margin": None})
-            elif not sampled_exits and e != rule_e:  # sampled exits are draws: no rule to break
-                g = rule_gates[b, k, : ran[b, k]]  # (loops run,)
-                violations.append({"token": k, **_exit_violation(g, e, rule_e, R, tau, min_loops, exit_rule)})
-        exit_lp = exit_all[b, :n].double() if sampled_exits else None  # (n,) the reference's log p(exit = e)
-        exit_delta = ro.exit_logprobs[b, :n] - exit_lp if sampled_exits else None  # (n,) recorded - reference
-        results.append(
-            {
-                "logprobs": lp,
-                "delta": delta,
-                "diff": delta.abs(),
-                "exit_logprobs": exit_lp,
-                "exit_delta": exit_delta,
-                "exit_diff": exit_delta.abs() if sampled_exits else None,
-                "violations": violations,
-                "rule_exits": exits,
-                "pit": policy[b, :n] if sampled else None,
-                "greedy_gap": None if sampled else policy[b, :n],
-            }
-        )
+        violations = _violations(rec, rule_gates[b, :n], ran[b, :n], exits, R, opts)
+        results.append(VerifyResult.of(rec, lp[b, :n], exit_lp[b, :n], policy[b, :n], violations, exits))
     return results
 
 
 def verify_records(
     model: LoopedLM,
     recs: list[dict],
+    opts: VerifyOptions = VerifyOptions(),
     *,
-    kv: str = "exact",
-    threshold: float | None = None,
-    min_loops: int = 1,
-    exit_rule: str = "survival",
-    rule_dtype: torch.dtype | None = None,
-    seed: int = 0,
-    batch_size: int = 16,
     first_index: int = 0,
     on_batch: Callable[[int], None] | None = None,
-) -> list[dict]:
-    """Recompute records teacher-forced (in the model's dtype), `batch_size` sequences per pass (records
-    of the same temperature together; per-sequence results do not depend on the grouping beyond rounding):
-    every token's log-prob at its recorded exit loop, the exit rule at every producing position, and the
-    reference policy at that loop for the sampler test.
+) -> list[VerifyResult]:
+    """Recompute records teacher-forced (in the model's dtype), `opts.batch_size` sequences per pass
+    (records of the same temperature together; per-sequence results do not depend on the grouping beyond
+    rounding): every token's log-prob at its recorded exit loop, the exit rule at every producing position,
+    and the reference policy at that loop for the sampler test.
 
-    Returns, per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded - recomputed; "diff"
-    (n,) |delta|; for records with "exit_logprobs" (sampled exits), "exit_logprobs", "exit_delta" and
-    "exit_diff" (n,) the same for log p(exit = e) (else None), and their exit loops are draws: the only
-    violation is one before min_loops; "rule_exits" the rule's exit loop per token (None: undecided by the loops run);
-    "violations" every disagreement, {"token", "recorded", "rule", "margin"} (see `_exit_check`);
-    "pit" (n,) the randomized PIT of each token (temperature > 0, else None; uniforms from
-    `sampler_seed(seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the token's (temperature 0,
-    else None). The rule is evaluated on the reference's gates rounded to `rule_dtype` (the engine's dtype;
-    default the model's). `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the
-    failing record's index in `recs` as `.index`.
+    Returns a `VerifyResult` per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded -
+    recomputed; "diff" (n,) |delta|; for records with "exit_logprobs" (sampled exits), "exit_logprobs",
+    "exit_delta" and "exit_diff" (n,) the same for log p(exit = e) (else None), and their exit loops are
+    draws: the only violation is one before min_loops; "rule_exits" the rule's exit loop per token (None:
+    undecided by the loops run); "violations" every disagreement, {"token", "recorded", "rule", "margin"}
+    (see `_exit_violation`); "pit" (n,) the randomized PIT of each token (temperature > 0, else None;
+    uniforms from `sampler_seed(opts.seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the
+    token's (temperature 0, else None). The rule is evaluated on the reference's gates rounded to
+    `opts.rule_dtype` (the engine's dtype; default the model's). `on_batch(done)` reports progress. A
+    ValueError or NonFiniteError carries the failing record's index in `recs` as `.index`.
     """
-    tau = model.config.early_exit_threshold if threshold is None else threshold
+    if opts.threshold is None:
+        opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
     results: list = [None] * len(recs)
     groups: dict[float, list[int]] = {}  # temperature -> record indices (one temperature per pass)
+    empty = torch.zeros(0, dtype=torch.float64)
     for i, rec in enumerate(recs):
         if rec["completion_ids"]:
             groups.setdefault(float(rec["temperature"]), []).append(i)
         else:  # nothing was generated: nothing to recompute
-            empty = torch.zeros(0, dtype=torch.float64)
-            sampled = rec["temperature"] > 0
-            sampled_exits = "exit_logprobs" in rec
-            results[i] = {
-                "logprobs": empty,
-                "delta": empty,
-                "diff": empty,
-                "exit_logprobs": empty if sampled_exits else None,
-                "exit_delta": empty if sampled_exits else None,
-                "exit_diff": empty if sampled_exits else None,
-                "violations": [],
-                "rule_exits": [],
-                "pit": empty if sampled else None,
-                "greedy_gap": None if sampled else empty,
-            }
+            results[i] = VerifyResult.of(rec, empty, empty, empty)
     done = len(recs) - sum(map(len, groups.values()))
     for idx in groups.values():
-        for c in range(0, len(idx), batch_size):
-            chunk = idx[c : c + batch_size]
-            batch = _verify_batch(
-                model,
-                [recs[i] for i in chunk],
-                [first_index + i for i in chunk],
-                kv=kv,
-                tau=tau,
-                min_loops=min_loops,
-                exit_rule=exit_rule,
-                rule_dtype=rule_dtype,
-                seed=seed,
-            )
+        for c in range(0, len(idx), opts.batch_size):
+            chunk = idx[c : c + opts.batch_size]
+            batch = _verify_batch(model, [recs[i] for i in chunk], [first_index + i for i in chunk], opts)
             for i, res in zip(chunk, batch):
                 results[i] = res
             done += len(chunk)
@@ -2982,30 +3052,9 @@ def verify_records(
     return results
 
 
-def verify_record(
-    model: LoopedLM,
-    rec: dict,
-    *,
-    kv: str = "exact",
-    threshold: float | None = None,
-    min_loops: int = 1,
-    exit_rule: str = "survival",
-    rule_dtype: torch.dtype | None = None,
-    seed: int = 0,
-    index: int = 0,
-) -> dict:
+def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOptions(), index: int = 0) -> VerifyResult:
     """`verify_records` for one record (`index`: its place in its file, which seeds its sampler test)."""
-    return verify_records(
-        model,
-        [rec],
-        kv=kv,
-        threshold=threshold,
-        min_loops=min_loops,
-        exit_rule=exit_rule,
-        rule_dtype=rule_dtype,
-        seed=seed,
-        first_index=index,
-    )[0]
+    return verify_records(model, [rec], opts, first_index=index)[0]
 
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> float:
@@ -3016,139 +3065,117 @@ def _quantile(sorted_values: torch.Tensor, q: float) -> float:
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
-def verify_summary(
-    records: list[dict], results: list[dict], *, atol: float, flip_margin: float, sampler_alpha: float
-) -> dict:
+def _first_mismatch(records: list[dict], results: list[VerifyResult], fails: list[Failures], key: str) -> dict | None:
+    """The first token whose recorded `key` ("logprobs" or "exit_logprobs") is over atol, or None."""
+    for i, (rec, res, f) in enumerate(zip(records, results, fails)):
+        if bad := getattr(f, key):
+            k = bad[0]
+            return {"sequence": i, "token": k, "expected": float(getattr(res, key)[k]), "got": float(rec[key][k])}
+    return None
+
+
+def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor) -> dict:
+    """The summary's statistics of recorded - reference log-probs over all tokens, delta (all tokens,)."""
+    diff = delta.abs()
+    if not diff.numel():
+        return {
+            "exit_agreement": None,
+            "abs_diff_quantiles": None,
+            "max_abs_diff_by_exit_loop": {},
+            "ratio_outside": {},
+        }
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
+    ranked = diff.sort().values
+    quantiles = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)}
+    ratio = delta.exp()
+    return {
+        "exit_agreement": agree / diff.numel(),
+        "abs_diff_quantiles": quantiles | {"max": float(ranked[-1])},
+        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
+        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS},
+    }
+
+
+def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions) -> dict:
     """The verdict and the statistics of `verify`, as the JSON summary (see README, "Checking a bfloat16
     engine", for what each number means). "passed" is the exit status: no log-prob beyond atol, no
     exit-rule disagreement beyond the flip margin, a sampler test above alpha, greedy tokens at the argmax.
     """
-    delta = torch.cat([r["delta"] for r in results]) if results else torch.zeros(0)  # (all tokens,)
-    diff = delta.abs()
-    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
+    delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])  # (sampled tokens,)
+    ks, p_value = ks_uniform(pit) if pit.numel() else (None, None)
+    exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
+    exit_maxima = [float(d.max()) for d in exit_diffs if d.numel()]
     s = {
         "sequences": len(records),
-        "tokens": int(diff.numel()),
-        "max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
-        "mismatched_tokens": int((~(diff <= atol)).sum()),  # NOTE: written so that NaN counts as a mismatch
-        "exit_rule_violations": 0,
-        "first_mismatch": None,
-        "near_threshold_flips": 0,
-        "first_violation": None,
-        "exit_agreement": None,
-        "abs_diff_quantiles": None,
-        "max_abs_diff_by_exit_loop": {},
-        "ratio_outside": {},
-        "sampler_tokens": 0,
-        "sampler_ks_statistic": None,
-        "sampler_p_value": None,
-        "greedy_tokens": 0,
-        "greedy_mismatches": 0,
-        "exit_logprob_tokens": 0,
-        "max_abs_exit_diff": None,
-        "mismatched_exit_logprobs": 0,
-        "first_exit_mismatch": None,
-        "atol": atol,
-        "flip_margin": flip_margin,
-        "sampler_alpha": sampler_alpha,
+        "tokens": int(delta.numel()),
+        "max_abs_diff": float(delta.abs().max()) if delta.numel() else 0.0,
+        "mismatched_tokens": sum(len(f.logprobs) for f in fails),
+        "exit_rule_violations": sum(len(f.violations) for f in fails),
+        "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
+        "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
+        "first_violation": next(
+            ({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None
+        ),
+        **_diff_statistics(records, results, delta),
+        "sampler_tokens": int(pit.numel()),
+        "sampler_ks_statistic": ks,
+        "sampler_p_value": p_value,
+        "greedy_tokens": sum(r.greedy_gap.numel() for r in results if r.greedy_gap is not None),
+        "greedy_mismatches": sum(len(f.greedy) for f in fails),
+        "exit_logprob_tokens": sum(d.numel() for d in exit_diffs),
+        "max_abs_exit_diff": max([0.0] + exit_maxima) if exit_maxima else None,
+        "mismatched_exit_logprobs": sum(len(f.exit_logprobs) for f in fails),
+        "first_exit_mismatch": _first_mismatch(records, results, fails, "exit_logprobs"),
+        "atol": opts.atol,
+        "flip_margin": opts.flip_margin,
+        "sampler_alpha": opts.sampler_alpha,
     }
-    agree = 0
-    for i, (rec, res) in enumerate(zip(records, results)):
-        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
-        if bad and s["first_mismatch"] is None:
-            k = bad[0]
-            s["first_mismatch"] = {
-                "sequence": i,
-                "token": k,
-                "expected": float(res["logprobs"][k]),
-                "got": float(rec["logprobs"][k]),
-            }
-        agree += len(rec["exit_loops"]) - len(res["violations"])
-        for v in res["violations"]:
-            if v["margin"] is not None and abs(v["margin"]) <= flip_margin:
-                s["near_threshold_flips"] += 1
-                continue
-            s["exit_rule_violations"] += 1
-            if s["first_violation"] is None:
-                s["first_violation"] = {"sequence": i, **v}
-        if res.get("exit_diff") is not None:  # sampled exits: log p(exit = e) against the reference's
-            ed = res["exit_diff"]
-            s["exit_logprob_tokens"] += ed.numel()
-            if ed.numel():
-                s["max_abs_exit_diff"] = max(s["max_abs_exit_diff"] or 0.0, float(ed.max()))
-            bad_exit = (~(ed <= atol)).nonzero()[:, 0].tolist()
-            s["mismatched_exit_logprobs"] += len(bad_exit)
-            if bad_exit and s["first_exit_mismatch"] is None:
-                k = bad_exit[0]
-                s["first_exit_mismatch"] = {
-                    "sequence": i,
-                    "token": k,
-                    "expected": float(res["exit_logprobs"][k]),
-                    "got": float(rec["exit_logprobs"][k]),
-                }
-        if res["greedy_gap"] is not None:
-            s["greedy_tokens"] += res["greedy_gap"].numel()
-            # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
-            s["greedy_mismatches"] += int((~(res["greedy_gap"] <= 2 * atol)).sum())
-    if diff.numel():
-        ranked = diff.sort().values
-        s["exit_agreement"] = agree / diff.numel()
-        s["abs_diff_quantiles"] = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)}
-        s["abs_diff_quantiles"]["max"] = float(ranked[-1])
-        s["max_abs_diff_by_exit_loop"] = {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))}
-        ratio = delta.exp()
-        s["ratio_outside"] = {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS}
-    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
-    if pit.numel():
-        s["sampler_tokens"] = int(pit.numel())
-        s["sampler_ks_statistic"], s["sampler_p_value"] = ks_uniform(pit)
     s["passed"] = (
         s["mismatched_tokens"] == 0
         and s["mismatched_exit_logprobs"] == 0
         and s["exit_rule_violations"] == 0
         and s["greedy_mismatches"] == 0
-        and not (s["sampler_p_value"] is not None and s["sampler_p_value"] < sampler_alpha)
+        and not (p_value is not None and p_value < opts.sampler_alpha)
     )
     return s
 
 
-def _print_failures(records: list[dict], results: list[dict], summary: dict, limit: int = 20) -> None:
+def _print_failures(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, limit: int = 20) -> None:
     """A line per failing sequence (the first `limit`), with its first few bad tokens."""
-    atol, flip, shown = summary["atol"], summary["flip_margin"], 0
+    shown = 0
     for i, (rec, res) in enumerate(zip(records, results)):
-        bad = (~(res["diff"] <= atol)).nonzero()[:, 0].tolist()
-        wrong = [v for v in res["violations"] if v["margin"] is None or abs(v["margin"]) > flip]
-        greedy = [] if res["greedy_gap"] is None else (~(res["greedy_gap"] <= 2 * atol)).nonzero()[:, 0].tolist()
-        bad_exit = [] if res.get("exit_diff") is None else (~(res["exit_diff"] <= atol)).nonzero()[:, 0].tolist()
-        if not (bad or wrong or greedy or bad_exit):
+        f = res.failures(opts.atol, opts.flip_margin)
+        if not f:
             continue
         shown += 1
         if shown > limit:
             print(f"  ... and more failing sequences (the first {limit} are shown)")
             return
-        flips = len(res["violations"]) - len(wrong)
         print(
             f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
-            f"{float(res['diff'].max()):.3e}, {len(bad)} over atol, {len(bad_exit)} exit log-probs over atol, "
-            f"{len(wrong)} exit-rule violations "
-            f"({flips} near-threshold flips), {len(greedy)} greedy tokens not the argmax  MISMATCH"
+            f"{float(res.diff.max()):.3e}, {len(f.logprobs)} over atol, {len(f.exit_logprobs)} exit log-probs over "
+            f"atol, {len(f.violations)} exit-rule violations ({len(res.violations) - len(f.violations)} "
+            f"near-threshold flips), {len(f.greedy)} greedy tokens not the argmax  MISMATCH"
         )
-        for k in bad[:3]:
-            print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res['logprobs'][k]):.6f}")
-        for v in wrong[:3]:
+        for k in f.logprobs[:3]:
+            print(f"      token {k}: recorded {rec['logprobs'][k]:.6f}, reference {float(res.logprobs[k]):.6f}")
+        for v in f.violations[:3]:
             m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
             print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
-        for k in bad_exit[:3]:
+        for k in f.exit_logprobs[:3]:
             print(
                 f"      token {k}: exit loop {rec['exit_loops'][k]}, recorded exit log-prob "
-                f"{rec['exit_logprobs'][k]:.6f}, reference {float(res['exit_logprobs'][k]):.6f}"
+                f"{rec['exit_logprobs'][k]:.6f}, reference {float(res.exit_logprobs[k]):.6f}"
             )
-        for k in greedy[:3]:
-            gap = float(res["greedy_gap"][k])
+        for k in f.greedy[:3]:
+            gap = float(res.greedy_gap[k])
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
 
 
-def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: dict, R: int) -> None:
+def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], summary: dict, R: int) -> None:
     """|Δ log-prob| per token (log scale) coloured by exit loop, and the sampler test's histogram."""
     try:
         import matplotlib
@@ -3159,7 +3186,7 @@ def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: 
         print("(matplotlib is not installed: no plot)")
         return
     fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
-    diff = torch.cat([r["diff"] for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
+    diff = torch.cat([r.diff for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
     x = torch.arange(diff.numel())
     cmap = plt.get_cmap("viridis", max(R, 2))
@@ -3172,7 +3199,7 @@ def _plot_verify(path: Path, records: list[dict], results: list[dict], summary: 
     ax.set_xlabel("token (records in file order)")
     ax.set_ylabel("|recorded - reference| log-prob")
     ax.legend(fontsize=7, markerscale=3)
-    pit = torch.cat([r["pit"] for r in results if r["pit"] is not None] or [torch.zeros(0)])
+    pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])
     if pit.numel():
         hx.hist(pit.numpy(), bins=20, range=(0, 1), density=True, alpha=0.7)
         hx.axhline(1.0, c="k", lw=1, label="U(0, 1)")
@@ -3195,62 +3222,65 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
-def cmd_verify(args) -> int:
-    """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
-    model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
-    records = read_records(args.rollouts, model.config)
-    atol, flip = ENGINE_TOLERANCES[args.engine_dtype]
-    atol = atol if args.atol is None else args.atol
-    flip = flip if args.flip_margin is None else args.flip_margin
-    print(
-        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype} reference; engine {args.engine_dtype}: atol={atol:g}, flip margin={flip:g}; "
-        f"exit rule {args.exit_rule}, kv={args.kv})"
-    )
-    t0 = time.time()
+def _progress(total: int, t0: float) -> Callable[[int], None]:
+    """`verify_records`' on_batch for the command: a line at most every 2 seconds, and one at the end."""
     shown = [t0]
 
     def progress(done: int) -> None:
         now = time.time()
-        if now - shown[0] >= 2.0 or done == len(records):
-            print(f"  {done}/{len(records)} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
+        if now - shown[0] >= 2.0 or done == total:
+            print(f"  {done}/{total} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
             shown[0] = now
 
+    return progress
+
+
+def cmd_verify(args) -> int:
+    """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
+    model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
+    records = read_records(args.rollouts, model.config)
+    opts = VerifyOptions.for_engine(
+        args.engine_dtype,
+        atol=args.atol,
+        flip_margin=args.flip_margin,
+        kv=args.kv,
+        threshold=args.exit_threshold,
+        min_loops=args.min_loops,
+        exit_rule=args.exit_rule,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        sampler_alpha=args.sampler_alpha,
+    )
+    print(
+        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
+        f"({args.dtype} reference; engine {args.engine_dtype}: atol={opts.atol:g}, flip margin="
+        f"{opts.flip_margin:g}; exit rule {args.exit_rule}, kv={args.kv})"
+    )
+    t0 = time.time()
     try:
-        results = verify_records(
-            model,
-            records,
-            kv=args.kv,
-            threshold=args.exit_threshold,
-            min_loops=args.min_loops,
-            exit_rule=args.exit_rule,
-            rule_dtype=ENGINE_DTYPES[args.engine_dtype],
-            seed=args.seed,
-            batch_size=args.batch_size,
-            on_batch=progress,
-        )
+        results = verify_records(model, records, opts, on_batch=_progress(len(records), t0))
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
     seconds = time.time() - t0
-    summary = verify_summary(records, results, atol=atol, flip_margin=flip, sampler_alpha=args.sampler_alpha)
+    summary = verify_summary(records, results, opts)
     summary.update(
         engine_dtype=args.engine_dtype,
         exit_rule=args.exit_rule,
         seconds=round(seconds, 3),
         sequences_per_second=round(len(records) / max(seconds, 1e-9), 1),
     )
-    _print_failures(records, results, summary)
+    _print_failures(records, results, opts)
     if summary["near_threshold_flips"]:
         print(
             f"  {summary['near_threshold_flips']} near-threshold exit flips "
-            f"(|CDF - threshold| <= {flip:g}): not failures"
+            f"(|CDF - threshold| <= {opts.flip_margin:g}): not failures"
         )
-    if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < args.sampler_alpha:
+    if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < opts.sampler_alpha:
         print(
             f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
-            f"(KS p = {summary['sampler_p_value']:.2e} < {args.sampler_alpha:g})"
+            f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
         )
     if args.plot:
         _plot_verify(Path(args.plot), records, results, summary, model.config.total_ut_steps)
@@ -3437,6 +3467,281 @@ def _memory_total(args, device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# A measurement's table rows (what, text) and its summary figures, keyed without the dtype's suffix.
+Measured = tuple[list[tuple[str, str]], dict]
+
+
+@dataclass
+class _BenchSetup:
+    """What every measurement of `bench` shares: the flags, the prompts, the machine's figures."""
+
+    args: argparse.Namespace
+    device: torch.device
+    cfg: Config
+    dtypes: tuple[str, ...]
+    batches: tuple[int, ...]
+    threshold: float
+    gate_bias: float | None  # None: the checkpoint's own
+    prompts: list[list[int]]  # max(8, batches) short prompts of 8..16 tokens
+    cache_prompt: list[int]  # the KV-cache comparison's long prompt
+    bandwidth: float  # bytes/s, a measured copy
+    slowdown: dict[str, float] | None  # bf16 over float32 matmul (None: no bfloat16 benched)
+    base: LoopedLM | None  # the toy's weights, which every dtype loads (None with --model)
+
+    @property
+    def real(self) -> bool:  # --model: a checkpoint's shapes, where some measurements shrink (see cmd_bench)
+        return self.args.model is not None
+
+
+def _bench_setup(args) -> _BenchSetup:
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    real = args.model is not None
+    cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
+    dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
+    batches = (args.batch,) if args.batch else ((1,) if real else (1, 8))
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [
+        torch.randint(0, min(256, cfg.vocab_size), (int(n),), generator=gen).tolist()
+        for n in torch.randint(8, 17, (max(8, *batches),), generator=gen)
+    ]
+    cache_prompt = torch.randint(0, min(256, cfg.vocab_size), (args.cache_prompt,), generator=gen).tolist()
+    bandwidth = copy_bandwidth(device)  # before any model, so its buffers count in no phase's peak
+    slowdown = bf16_slowdown(cfg, device) if "bfloat16" in dtypes else None
+    threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
+    gate_bias = 1.0 if args.gate_bias is None and not real else args.gate_bias
+    base = None if real else LoopedLM(cfg, seed=args.seed)
+    if base is not None:
+        _set_gate_bias(base, gate_bias)
+    return _BenchSetup(
+        args, device, cfg, dtypes, batches, threshold, gate_bias, prompts, cache_prompt, bandwidth, slowdown, base
+    )
+
+
+def _bench_rollout(
+    s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
+) -> Rollout:
+    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled from --seed or
+    greedy."""
+    policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
+    return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
+
+
+def _timed(device: torch.device, fn: Callable):
+    """(seconds, fn()), the device synchronized on both sides."""
+    _sync(device)
+    t = time.perf_counter()
+    res = fn()
+    _sync(device)
+    return time.perf_counter() - t, res
+
+
+def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
+    if bias is not None:
+        with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
+            model.model.early_exit_gate.bias.fill_(bias)
+
+
+def _load_bench_model(s: _BenchSetup, dtype: torch.dtype) -> tuple[LoopedLM, dict]:
+    """The model in `dtype`, and the load's figures: seconds, peak resident (and device) bytes, weight bytes."""
+    _reset_peak_memory(s.device)
+    if s.real:
+        t_load, model = _timed(s.device, lambda: LoopedLM.from_pretrained(s.args.model, dtype=dtype, device=s.device))
+        _set_gate_bias(model, s.gate_bias)
+    else:
+        t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
+        model.load_state_dict(s.base.state_dict())
+    load = {
+        "seconds": t_load,
+        "peak": _peak_resident_bytes(),
+        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
+        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
+    }
+    return model, load
+
+
+def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
+    """bfloat16 against float32 matmul speed at this model's MLP shape (and a warning when it is slow)."""
+    text = f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)"
+    rows = [("bf16 / fp32 matmul", text)]
+    if warning := bf16_warning(slowdown):
+        rows.append(("", warning))
+    return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
+
+
+def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> dict[str, tuple[Rollout, list[float]]]:
+    """Dense and deferred rollouts of a batch, --repeats times each, alternating so that drift hits both
+    alike: per mode, the last rollout and the times."""
+    run = {m: (lambda m=m: _bench_rollout(s, model, batch, m)) for m in ("dense", "deferred")}
+    run["deferred"]()  # warm-up
+    runs = {"dense": (None, []), "deferred": (None, [])}
+    for _ in range(s.args.repeats):
+        for m in ("dense", "deferred"):
+            dt, ro = _timed(s.device, run[m])
+            runs[m] = (ro, runs[m][1] + [dt])
+    return runs
+
+
+def _rollout_speed(B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
+    """Dense against deferred tokens per second at batch B, against the ideal (their ratio of calls)."""
+    (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
+    tokens = int(ro_def.mask.sum())
+    med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
+    speedup = med_dense / med_def
+    ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
+    mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
+    same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
+    text = (
+        f"dense {tokens / med_dense:.1f} tok/s, deferred {tokens / med_def:.1f} tok/s: x{speedup:.2f} (ideal "
+        f"x{ideal:.2f}, {100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops dense "
+        f"{ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; same tokens and exit loops: {same}"
+    )
+    figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
+    return [(f"rollout b={B}", text)], figures
+
+
+def _roofline(s: _BenchSetup, model: LoopedLM, B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
+    """The share of the copy bandwidth each rollout reaches: decoding reads every weight once per call, so a
+    rollout can go no faster than its bytes / the bandwidth. Prefill is included (short prompts: a few
+    calls of a few rows)."""
+    tokens = int(runs["deferred"][0].mask.sum())
+    read = {m: rollout_bytes(model, ro) for m, (ro, _) in runs.items()}
+    fraction = {m: read[m] / statistics.median(t) / s.bandwidth for m, (_, t) in runs.items()}
+    text = (
+        f"reads per token (weights + KV, prefill included): dense {_fmt_bytes(read['dense'] / tokens)}, deferred "
+        f"{_fmt_bytes(read['deferred'] / tokens)}; at the copy bandwidth {s.bandwidth / 1e9:.1f} GB/s that is "
+        f"{100 * fraction['dense']:.0f}% (dense) and {100 * fraction['deferred']:.0f}% (deferred) of the bound"
+    )
+    return [(f"roofline b={B}", text)], {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+
+
+def _replay_vs_rollout(
+    s: _BenchSetup, model: LoopedLM, runs: dict[str, tuple[Rollout, list[float]]]
+) -> tuple[Rollout, list[float], Measured]:
+    """Replay against a deferred rollout (toy: batch 8), and whether replay equals the rollout (and the
+    dense one) bitwise. With --model the rollouts timed last serve: at 1.4 B parameters each costs seconds.
+    Also returns the deferred rollout and the rollout's times, which the learner's figures reuse."""
+    (ro_dense, _), (ro, rt) = runs["dense"], runs["deferred"]
+    rt, rp = (rt, []) if s.real else ([], [])
+    for _ in range(s.args.repeats):
+        if not s.real:
+            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:8], "deferred"))
+            rt.append(dt)
+        dt, replay = _timed(s.device, lambda: replay_logprobs(model, ro))
+        rp.append(dt)
+    ratio = statistics.median(rp) / statistics.median(rt)
+    bitwise = torch.equal(replay, ro.logprobs)
+    bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
+    text = f"{ratio:.3f} (replay equals the rollout bitwise: {bitwise}; the dense rollout's: {bitwise_dense})"
+    figures = {"replay_over_rollout": round(ratio, 3), "replay_bitwise": bitwise and bitwise_dense}
+    return ro, rt, ([("replay / rollout", text)], figures)
+
+
+def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[float]) -> Measured:
+    """Teacher-forced forward + backward per token, and (toy) a whole GRPO step split in three."""
+    tokens = int(ro.mask.sum())
+    fb = []
+    for _ in range(1 if s.real else s.args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
+        model.zero_grad()
+        dt, _ = _timed(s.device, lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(s.device)).sum().backward())
+        fb.append(dt)
+    text = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
+    if s.real:
+        model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
+        text += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
+        return [("learner", text)], {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rewards = torch.arange(len(ro.prompts), dtype=torch.float32) % 2
+    config = GRPOConfig(group_size=2, check_replay=True)
+    t_learn, _ = _timed(s.device, lambda: grpo_update(model, opt, ro, rewards, config))
+    t_opt, _ = _timed(s.device, opt.step)  # the optimizer alone, on the gradients the update left
+    model.load_state_dict(s.base.state_dict())  # undo the updates: later figures use the rollout's weights
+    text += (
+        f"; GRPO step = rollout {statistics.median(rollout_times):.2f}s + learner (replay check, "
+        f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"
+    )
+    return [("learner", text)], {}
+
+
+def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
+    """The mismatch the hybrid removes: a naive learner's log-probs (teacher-forced) against the sampler's."""
+    with torch.no_grad():
+        naive = teacher_forced_logprobs(model, ro)
+        hyb = learner_logprobs(model, ro)[0]
+    m, sampler = ro.mask.to(model.device), ro.logprobs.to(model.device)
+    d = (naive - sampler).abs()[m]
+    clipped = ((torch.exp(naive - sampler) - 1).abs() > 0.2)[m].float().mean()
+    dh = (hyb - sampler).abs()[m]
+    text = (
+        f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
+        f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"
+    )
+    return [("naive learner vs sampler", text)], {"naive_max_abs_diff": float(d.max())}
+
+
+def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
+    """The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
+    GSM8K-sized prompt and for the short bench prompt (--model: the short one, --new-tokens only)."""
+    n = s.args.new_tokens if s.real else s.args.cache_tokens
+    prompts = (("_short", s.prompts[0]),) if s.real else (("", s.cache_prompt), ("_short", s.prompts[0]))
+    rows, figures = [], {}
+    for name, prompt in prompts:
+        t_rec, ids_rec = _timed(s.device, lambda: recompute_rollout(model, prompt, n, s.threshold))
+        t_cached, ro = _timed(s.device, lambda: _bench_rollout(s, model, [prompt], "dense", n, greedy=True))
+        figures[f"cache_speedup{name}"] = round(t_rec / t_cached, 2)
+        same = ids_rec == ro.completions[0]
+        text = f"recompute {t_rec:.2f}s, cached dense {t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {same}"
+        rows.append((f"KV cache, {len(prompt)}+{n}", text))
+    return rows, figures
+
+
+def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
+    """The KV cache per token and what fits beside the weights; the peaks of the load and of the run."""
+    cfg, weights = s.cfg, load["weights"]
+    kv = kv_cache_bytes_per_token(cfg, dtype)
+    lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
+    memory = _memory_total(s.args, s.device)
+    fit = max(0, memory - weights) // kv["total"]
+    cache = (
+        f"{kv['kv']:,} bytes per token (2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
+        f"{dtype.itemsize} bytes x {cfg.num_hidden_layers} layers x {cfg.total_ut_steps} loops) + "
+        f"{kv['h_and_depth']:,} (h, depth); 64 x 512 tokens: {_fmt_bytes(64 * 512 * kv['total'])}; "
+        f"{_fmt_bytes(memory)} less {_fmt_bytes(weights)} of weights holds {fit:,} tokens: "
+        + ", ".join(f"batch {fit // T:,} x {T}" for T in lengths)
+    )
+    peak_run = _peak_resident_bytes()
+    on_device = ""
+    if s.device.type == "cuda":
+        peak_run_device = torch.cuda.max_memory_allocated(s.device)
+        on_device = f"; on {s.device}: load {_fmt_bytes(load['peak_device'])}, run {_fmt_bytes(peak_run_device)}"
+    peaks = (
+        f"weights {_fmt_bytes(weights)}; load {load['seconds']:.1f}s, peak resident {_fmt_bytes(load['peak'])} "
+        f"(x{load['peak'] / weights:.2f} the weights; interpreter and torch included); run: peak resident "
+        f"{_fmt_bytes(peak_run)}{on_device}"
+    )
+    figures = {
+        "kv_bytes_per_token": kv["kv"],
+        "load_seconds": round(load["seconds"], 2),
+        "peak_load_mb": round(load["peak"] / 2**20, 1),
+        "peak_run_mb": round(peak_run / 2**20, 1),
+    }
+    return [("KV cache memory", cache), ("memory", peaks)], figures
+
+
+def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
+    """Every measurement in one dtype, in the table's order (the model is freed on return)."""
+    dtype = DTYPES[dtype_name]
+    model, load = _load_bench_model(s, dtype)
+    _reset_peak_memory(s.device)
+    measured = []
+    for B in s.batches:
+        runs = _time_rollouts(s, model, s.prompts[:B])
+        measured += [_rollout_speed(B, runs), _roofline(s, model, B, runs)]
+    ro, rollout_times, replay = _replay_vs_rollout(s, model, runs)
+    measured += [replay, _learner(s, model, ro, rollout_times), _naive_vs_hybrid(model, ro)]
+    measured += [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
+    return measured
+
+
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
     removes, in bfloat16 and float32 (or --dtype). Alternating repeats, medians. Also: the roofline (the
@@ -3447,248 +3752,32 @@ def cmd_bench(args) -> int:
     AdamW state is two more copies of the weights) and the KV-cache comparison shrinks to the short prompt
     and --new-tokens. The output says so.
     """
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    real = args.model is not None
-    cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
-    dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
-    batches = (args.batch,) if args.batch else ((1,) if real else (1, 8))
-    threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
-    gate_bias = 1.0 if args.gate_bias is None and not real else args.gate_bias  # None: the checkpoint's own
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(0, min(256, cfg.vocab_size), (int(n),), generator=gen).tolist()
-        for n in torch.randint(8, 17, (max(8, *batches),), generator=gen)
-    ]
-    cache_prompt = torch.randint(0, min(256, cfg.vocab_size), (args.cache_prompt,), generator=gen).tolist()
-    R, N = cfg.total_ut_steps, args.new_tokens
-    memory = _memory_total(args, device)
-    bandwidth = copy_bandwidth(device)  # before any model, so its buffers count in no phase's peak
-    slowdown = bf16_slowdown(cfg, device) if "bfloat16" in dtypes else None
+    s = _bench_setup(args)
+    rows, summary = [], {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
 
-    def timed(fn):
-        _sync(device)
-        t = time.perf_counter()
-        res = fn()
-        _sync(device)
-        return time.perf_counter() - t, res
+    def add(dtype_name: str, suffix: str, measured: list[Measured]) -> None:
+        for part_rows, figures in measured:
+            rows.extend((dtype_name, what, text) for what, text in part_rows)
+            summary.update({key + suffix: value for key, value in figures.items()})
 
-    def set_gate_bias(model):
-        if gate_bias is not None:
-            with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
-                model.model.early_exit_gate.bias.fill_(gate_bias)
+    if s.slowdown is not None:
+        add("bfloat16", "", [_bf16_matmul(s.slowdown)])
+    for dtype_name in s.dtypes:
+        add(dtype_name, "" if dtype_name == "bfloat16" else "_fp32", _bench_dtype(s, dtype_name))
+    summary["peak_memory_mb"] = round(_peak_memory_mb(s.device), 1)
+    _print_bench(s, rows, summary)
+    return 0
 
-    def sample(model, batch, mode):
-        return rollout(model, batch, Policy(mode=mode, exit_threshold=threshold), max_new_tokens=N, seed=args.seed)
 
-    base = None if real else LoopedLM(cfg, seed=args.seed)
-    if base is not None:
-        set_gate_bias(base)
-    summary: dict = {"bandwidth_gb_s": round(bandwidth / 1e9, 2)}
-    rows = []
-    if slowdown is not None:
-        summary["bf16_over_fp32_matmul"] = slowdown["worst"]
-        rows.append(
-            (
-                "bfloat16",
-                "bf16 / fp32 matmul",
-                f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)",
-            )
-        )
-        if warning := bf16_warning(slowdown):
-            rows.append(("bfloat16", "", warning))
-    for dtype_name in dtypes:
-        dtype = DTYPES[dtype_name]
-        suffix = "" if dtype_name == "bfloat16" else "_fp32"
-        _reset_peak_memory(device)
-        if real:
-            t_load, model = timed(lambda: LoopedLM.from_pretrained(args.model, dtype=dtype, device=device))
-            set_gate_bias(model)
-        else:
-            t_load, model = timed(lambda: LoopedLM(cfg).to(dtype=dtype, device=device))
-            model.load_state_dict(base.state_dict())
-        peak_load = _peak_resident_bytes()
-        peak_load_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        _reset_peak_memory(device)
-        for B in batches:
-            batch = prompts[:B]
-            run = {m: (lambda m=m: sample(model, batch, m)) for m in ("dense", "deferred")}
-            run["deferred"]()  # warm-up
-            times = {"dense": [], "deferred": []}
-            for _ in range(args.repeats):  # alternate, so drift hits both alike
-                for m in ("dense", "deferred"):
-                    dt, ro = timed(run[m])
-                    times[m].append(dt)
-                    if m == "dense":
-                        ro_dense = ro
-                    else:
-                        ro_def = ro
-            tokens = int(ro_def.mask.sum())
-            med = {m: statistics.median(v) for m, v in times.items()}
-            speedup = med["dense"] / med["deferred"]
-            ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
-            mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
-            same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
-            summary[f"speedup_b{B}{suffix}"] = round(speedup, 3)
-            summary[f"ideal_b{B}{suffix}"] = round(ideal, 3)
-            summary[f"same_tokens_b{B}{suffix}"] = same
-            rows.append(
-                (
-                    dtype_name,
-                    f"rollout b={B}",
-                    f"dense {tokens / med['dense']:.1f} tok/s, deferred "
-                    f"{tokens / med['deferred']:.1f} tok/s: x{speedup:.2f} (ideal x{ideal:.2f}, "
-                    f"{100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops "
-                    f"dense {ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; "
-                    f"same tokens and exit loops: {same}",
-                )
-            )
-            # The roofline: decoding reads every weight once per call, so a rollout can go no faster than its
-            # bytes / the copy bandwidth. Prefill is included (short prompts: a few calls of a few rows).
-            fraction = {}
-            for m, ro in (("dense", ro_dense), ("deferred", ro_def)):
-                fraction[m] = rollout_bytes(model, ro) / med[m] / bandwidth
-                summary[f"roofline_{m}_b{B}{suffix}"] = round(fraction[m], 3)
-            rows.append(
-                (
-                    dtype_name,
-                    f"roofline b={B}",
-                    f"reads per token (weights + KV, prefill included): dense "
-                    f"{_fmt_bytes(rollout_bytes(model, ro_dense) / tokens)}, deferred "
-                    f"{_fmt_bytes(rollout_bytes(model, ro_def) / tokens)}; at the copy bandwidth "
-                    f"{bandwidth / 1e9:.1f} GB/s that is {100 * fraction['dense']:.0f}% (dense) and "
-                    f"{100 * fraction['deferred']:.0f}% (deferred) of the bound",
-                )
-            )
-        # Replay against rollout (deferred; toy: batch 8), and the dense rollout's replay. With --model the
-        # rollouts timed above serve (the last batch size's): at 1.4 B parameters each one costs seconds.
-        batch = prompts[:B] if real else prompts[:8]
-        rt, rp = (times["deferred"], []) if real else ([], [])
-        for _ in range(args.repeats):
-            if not real:
-                dt, ro_def = timed(lambda: sample(model, batch, "deferred"))
-                rt.append(dt)
-            dt, replay = timed(lambda: replay_logprobs(model, ro_def))
-            rp.append(dt)
-        ro = ro_def
-        ratio = statistics.median(rp) / statistics.median(rt)
-        bitwise = torch.equal(replay, ro.logprobs)
-        bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
-        summary[f"replay_over_rollout{suffix}"] = round(ratio, 3)
-        summary[f"replay_bitwise{suffix}"] = bitwise and bitwise_dense
-        rows.append(
-            (
-                dtype_name,
-                "replay / rollout",
-                f"{ratio:.3f} (replay equals the rollout bitwise: {bitwise}; the dense rollout's: {bitwise_dense})",
-            )
-        )
-        # The learner: teacher-forced forward + backward, and (toy) a whole GRPO step split in three.
-        tokens = int(ro.mask.sum())
-        fb = []
-        for _ in range(1 if real else args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
-            model.zero_grad()
-            dt, _ = timed(lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(device)).sum().backward())
-            fb.append(dt)
-        learner = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
-        if real:
-            model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
-            learner += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-            t_learn, _ = timed(
-                lambda: grpo_update(
-                    model,
-                    opt,
-                    ro,
-                    torch.arange(len(batch), dtype=torch.float32) % 2,
-                    GRPOConfig(group_size=2, check_replay=True),
-                )
-            )
-            t_opt, _ = timed(opt.step)  # the optimizer alone, on the gradients the update left
-            model.load_state_dict(base.state_dict())  # undo the updates: later figures use the rollout's weights
-            learner += (
-                f"; GRPO step = rollout {statistics.median(rt):.2f}s + learner (replay check, "
-                f"fwd+bwd, clip) {t_learn - t_opt:.2f}s + optimizer {t_opt:.3f}s"
-            )
-        rows.append((dtype_name, "learner", learner))
-        # The mismatch the hybrid removes: a naive learner's log-probs against the sampler's.
-        with torch.no_grad():
-            naive = teacher_forced_logprobs(model, ro)
-            hyb = learner_logprobs(model, ro)[0]
-        m = ro.mask.to(device)
-        d = (naive - ro.logprobs.to(device)).abs()[m]
-        clipped = ((torch.exp(naive - ro.logprobs.to(device)) - 1).abs() > 0.2)[m].float().mean()
-        dh = (hyb - ro.logprobs.to(device)).abs()[m]
-        summary[f"naive_max_abs_diff{suffix}"] = float(d.max())
-        rows.append(
-            (
-                dtype_name,
-                "naive learner vs sampler",
-                f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
-                f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}",
-            )
-        )
-        # The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
-        # GSM8K-sized prompt and for the short bench prompt (--model: the short one, --new-tokens only).
-        n_cache = N if real else args.cache_tokens
-        for name, prompt in (("_short", prompts[0]),) if real else (("", cache_prompt), ("_short", prompts[0])):
-            t_rec, ids_rec = timed(lambda: recompute_rollout(model, prompt, n_cache, threshold))
-            t_cached, ro_c = timed(
-                lambda: rollout(
-                    model, [prompt], Policy("dense", temperature=0.0, exit_threshold=threshold), max_new_tokens=n_cache
-                )
-            )
-            summary[f"cache_speedup{name}{suffix}"] = round(t_rec / t_cached, 2)
-            rows.append(
-                (
-                    dtype_name,
-                    f"KV cache, {len(prompt)}+{n_cache}",
-                    f"recompute {t_rec:.2f}s, cached dense "
-                    f"{t_cached:.2f}s: x{t_rec / t_cached:.1f}; same tokens: {ids_rec == ro_c.completions[0]}",
-                )
-            )
-        # Memory: the cache per token and what fits beside the weights; the peaks of the load and of the run.
-        kv = kv_cache_bytes_per_token(cfg, dtype)
-        lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
-        fit = max(0, memory - weights) // kv["total"]
-        summary[f"kv_bytes_per_token{suffix}"] = kv["kv"]
-        rows.append(
-            (
-                dtype_name,
-                "KV cache memory",
-                f"{kv['kv']:,} bytes per token (2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
-                f"{dtype.itemsize} bytes x {cfg.num_hidden_layers} layers x {R} loops) + {kv['h_and_depth']:,} "
-                f"(h, depth); 64 x 512 tokens: {_fmt_bytes(64 * 512 * kv['total'])}; {_fmt_bytes(memory)} less "
-                f"{_fmt_bytes(weights)} of weights holds {fit:,} tokens: "
-                + ", ".join(f"batch {fit // T:,} x {T}" for T in lengths),
-            )
-        )
-        peak_run = _peak_resident_bytes()
-        summary[f"load_seconds{suffix}"] = round(t_load, 2)
-        summary[f"peak_load_mb{suffix}"] = round(peak_load / 2**20, 1)
-        summary[f"peak_run_mb{suffix}"] = round(peak_run / 2**20, 1)
-        on_device = ""
-        if device.type == "cuda":
-            peak_run_device = torch.cuda.max_memory_allocated(device)
-            on_device = f"; on {device}: load {_fmt_bytes(peak_load_device)}, run {_fmt_bytes(peak_run_device)}"
-        rows.append(
-            (
-                dtype_name,
-                "memory",
-                f"weights {_fmt_bytes(weights)}; load {t_load:.1f}s, peak resident {_fmt_bytes(peak_load)} "
-                f"(x{peak_load / weights:.2f} the weights; interpreter and torch included); run: peak resident "
-                f"{_fmt_bytes(peak_run)}{on_device}",
-            )
-        )
-        model = ro = ro_dense = ro_def = None  # freed before the next dtype loads
-    summary["peak_memory_mb"] = round(_peak_memory_mb(device), 1)
+def _print_bench(s: _BenchSetup, rows: list[tuple[str, str, str]], summary: dict) -> None:
+    cfg, args = s.cfg, s.args
     print(
-        f"bench: {args.model if real else args.config} (R={R}, L={cfg.num_hidden_layers}, C={cfg.hidden_size}), "
-        f"{device}, {torch.get_num_threads()} threads, {N} new tokens, median of {args.repeats}, "
-        f"gate bias {'unchanged' if gate_bias is None else gate_bias}, exit threshold {threshold}"
+        f"bench: {args.model if s.real else args.config} (R={cfg.total_ut_steps}, L={cfg.num_hidden_layers}, "
+        f"C={cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
+        f"median of {args.repeats}, gate bias {'unchanged' if s.gate_bias is None else s.gate_bias}, "
+        f"exit threshold {s.threshold}"
     )
-    if real:
+    if s.real:
         print(
             "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
@@ -3698,7 +3787,6 @@ def cmd_bench(args) -> int:
         print(f"  {dt_name:<9} {what:<26} {text}")
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
     print(json.dumps(summary))
-    return 0
 
 
 # --- Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them ---

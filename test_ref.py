@@ -2159,7 +2159,7 @@ def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
     rc, summary = _verify(path, capsys)
     assert rc == 1 and summary["exit_rule_violations"] == 1, summary
     model = S.LoopedLM(S.Config.from_json(TINY_JSON)).double()
-    v = S.verify_record(model, {**recs[0], "temperature": 1.0})["violations"]
+    v = S.verify_record(model, {**recs[0], "temperature": 1.0}).violations
     assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
 
 
@@ -2229,8 +2229,8 @@ def test_sampler_test_accepts_the_reference_own_rollouts():
     ps = []
     for seed in range(20):
         model, recs = _float64_records(seed=seed)
-        res = S.verify_records(model, recs, seed=seed)
-        s = S.verify_summary(recs, res, atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3)
+        res = S.verify_records(model, recs, S.VerifyOptions(seed=seed))
+        s = S.verify_summary(recs, res, S.VerifyOptions(atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3))
         assert s["sampler_tokens"] == 200 and s["mismatched_tokens"] == 0
         ps.append(s["sampler_p_value"])
     assert min(ps) >= 1e-3, ps
@@ -2242,20 +2242,18 @@ def test_verify_batched_equals_one_at_a_time():
     model, recs = _float64_records(temperatures=(0.0, 0.7, 1.0), prompts=6, new=12)
     recs[2]["exit_loops"][3] = recs[2]["exit_loops"][3] % 2 + 1  # a wrong depth, reported alike
     recs[7]["completion_ids"], recs[7]["exit_loops"], recs[7]["logprobs"] = [], [], []  # an empty completion
-    batched = S.verify_records(model, recs, batch_size=16, seed=3)
+    batched = S.verify_records(model, recs, S.VerifyOptions(batch_size=16, seed=3))
     assert len(recs) == 18 and len(batched) == len(recs)
     for i, rec in enumerate(recs):
-        alone = S.verify_record(model, rec, seed=3, index=i)
+        alone = S.verify_record(model, rec, S.VerifyOptions(seed=3), index=i)
         for key in ("logprobs", "delta", "pit", "greedy_gap"):
-            if alone[key] is None:
-                assert batched[i][key] is None, (i, key)
+            if getattr(alone, key) is None:
+                assert getattr(batched[i], key) is None, (i, key)
             else:
-                assert torch.allclose(alone[key], batched[i][key], rtol=0, atol=1e-12), (i, key)
-        assert alone["rule_exits"] == batched[i]["rule_exits"], i
-        assert [v | {"margin": None} for v in alone["violations"]] == [
-            v | {"margin": None} for v in batched[i]["violations"]
-        ]
-    assert len(batched[2]["violations"]) == 1
+                assert torch.allclose(getattr(alone, key), getattr(batched[i], key), rtol=0, atol=1e-12), (i, key)
+        assert alone.rule_exits == batched[i].rule_exits, i
+        assert [v | {"margin": None} for v in alone.violations] == [v | {"margin": None} for v in batched[i].violations]
+    assert len(batched[2].violations) == 1
 
 
 def test_verify_summary_statistics_hand_computed():
@@ -2268,16 +2266,15 @@ def test_verify_summary_statistics_hand_computed():
     delta = [torch.tensor([0.0, 0.005, -0.02, 0.3], dtype=torch.float64), torch.tensor([-0.5], dtype=torch.float64)]
     violations = [[], [{"token": 0, "recorded": 1, "rule": 2, "margin": -0.01}]]
     results = [
-        {"logprobs": -d, "delta": d, "diff": d.abs(), "violations": v, "pit": None, "greedy_gap": None}
-        for d, v in zip(delta, violations)
+        S.VerifyResult(logprobs=-d, delta=d, violations=v, pit=None, greedy_gap=None) for d, v in zip(delta, violations)
     ]
-    s = S.verify_summary(recs, results, atol=0.4, flip_margin=0.05, sampler_alpha=1e-3)
+    s = S.verify_summary(recs, results, S.VerifyOptions(atol=0.4, flip_margin=0.05, sampler_alpha=1e-3))
     assert s["abs_diff_quantiles"] == pytest.approx({"p50": 0.02, "p90": 0.42, "p99": 0.492, "max": 0.5})
     assert s["max_abs_diff_by_exit_loop"] == {"1": 0.5, "2": 0.02, "3": 0.3}
     assert s["ratio_outside"] == {"0.01": 0.6, "0.2": 0.4}  # exp(-0.02) < 0.99; exp(0.3) > 1.2; exp(-0.5) < 0.8
     assert (s["mismatched_tokens"], s["near_threshold_flips"], s["exit_rule_violations"]) == (1, 1, 0)
     assert s["exit_agreement"] == pytest.approx(4 / 5) and not s["passed"]
-    s = S.verify_summary(recs, results, atol=0.6, flip_margin=0.001, sampler_alpha=1e-3)
+    s = S.verify_summary(recs, results, S.VerifyOptions(atol=0.6, flip_margin=0.001, sampler_alpha=1e-3))
     assert s["exit_rule_violations"] == 1 and s["first_violation"] == {"sequence": 1, **violations[1][0]}
 
 
