@@ -566,7 +566,9 @@ class Policy:
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
-    eos_id: int | None = None  # a sequence that samples it stops
+    top_k: int = 0  # sample among the k most likely tokens only (0: all)
+    top_p: float = 1.0  # ... and among the fewest whose probability reaches top_p (1: all)
+    stop_ids: tuple[int, ...] = ()  # a sequence that samples one of these stops (EOS, a chat model's end of turn)
 
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
@@ -577,22 +579,24 @@ class Policy:
                 )
         if not (0 <= self.temperature < math.inf and self.min_loops >= 1 and math.isfinite(self.exit_threshold or 0)):
             raise ValueError(f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold or None: {self}")
+        if not (self.top_k >= 0 and 0 < self.top_p <= 1 and isinstance(self.stop_ids, tuple)):
+            raise ValueError(f"need top_k >= 0, top_p in (0, 1] and stop_ids a tuple: {self}")
         if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):  # NOTE: hf is a threshold rule's arithmetic
             raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam in float32")
         if (self.kv, self.mode) == ("last_exited", "dense"):
             raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit)")
 
 
-def policy_logprobs(logits: torch.Tensor, temperature: float, numerics: str = "fast") -> torch.Tensor:
+def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
     """The policy: logits (n, V) -> log-probabilities (n, V) in float32 (float64 for a float64 model).
 
     log_softmax(float32(logits) / temperature); temperature 0 (greedy) scores with temperature 1.
     """
-    t = temperature if temperature > 0 else 1.0
+    t = policy.temperature if policy.temperature > 0 else 1.0
     return by_rows(numerics, lambda z: torch.log_softmax(z.to(acc_dtype(z.dtype)) / t, dim=-1), logits)
 
 
-def read_out(model: LoopedLM, call: Call, h: torch.Tensor, temperature: float, numerics: str) -> torch.Tensor:
+def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
     """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the
     policy. h (n, C), the call's output -> log-probs (n_out, V).
 
@@ -601,7 +605,7 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, temperature: float, n
     """
     index = {rc: i for i, rc in enumerate(call.rows)}
     rows = [index[rc] for rc in call.readout]
-    return policy_logprobs(model.readout(h[rows], numerics), temperature, numerics)  # (n_out, V)
+    return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
 def deciding_rows(call: Call, first: list[int], exits: list[list[int | None]]) -> list[int]:
@@ -781,7 +785,7 @@ def rollout(
                         token_gates[b, len(completions[b]), :e] = torch.stack(gates[b])
             # 4) Read out the rows that exit at this loop and sample each one's next token.
             if call.readout:
-                logp = read_out(model, call, h, policy.temperature, numerics)  # (n_out, V)
+                logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
                 for (b, _), lp in zip(call.readout, logp):
                     tok = sample_token(lp, gens[b], policy.temperature)
                     logprobs[b, len(completions[b])] = lp[tok].cpu()
@@ -791,7 +795,7 @@ def rollout(
         # 5) Sequences that sampled EOS or reached N stop (their last token never enters the model); the
         #    others append their token, which becomes the newest position of the next step.
         for b in list(active):
-            if len(completions[b]) == N or completions[b][-1] == policy.eos_id:
+            if len(completions[b]) == N or completions[b][-1] in policy.stop_ids:
                 active.remove(b)
             else:
                 tokens[b, newest[b] + 1] = completions[b][-1]
@@ -843,7 +847,7 @@ def execute_schedule(
             token_gates = token_gates.index_put((b, tok_index, loop), model.gate_logits(h[deciding], numerics))
         if not call.readout:
             continue
-        logp = read_out(model, call, h, policy.temperature, numerics)  # (n_out, V)
+        logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
         if on_readout is not None:
             on_readout(call, logp)
         b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
@@ -1916,7 +1920,7 @@ def evaluate(
         ro = rollout(
             model,
             [encode_problem(tok, p)[0] for p in chunk],
-            dataclasses.replace(policy, temperature=0.0, eos_id=tok.eos_id),
+            dataclasses.replace(policy, temperature=0.0, stop_ids=(tok.eos_id,)),
             max_new_tokens=max_new_tokens,
             seed=seed,
             sequence_ids=list(range(i, i + len(chunk))),
@@ -2176,7 +2180,7 @@ class TrainConfig:
     save_every: int = _flag(10, "checkpoint every N steps (and at the end)", within=(1, 10**9))
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
 
-    def policy(self, eos_id: int | None) -> Policy:
+    def policy(self, stop_ids: tuple[int, ...]) -> Policy:
         return Policy(
             mode=self.mode,
             numerics=self.numerics,
@@ -2184,7 +2188,7 @@ class TrainConfig:
             exit_rule=self.exit_rule,
             exit_policy=self.exit_policy,
             min_loops=self.min_loops,
-            eos_id=eos_id,
+            stop_ids=stop_ids,
         )
 
     def grpo(self) -> GRPOConfig:
@@ -2242,7 +2246,7 @@ def _train_step(
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
-    policy = cfg.policy(tok.eos_id)
+    policy = cfg.policy((tok.eos_id,))
     ro = rollout(
         model,
         [encode_problem(tok, p)[0] for p in batch],
@@ -2522,6 +2526,7 @@ def schedule_from_json(text: str) -> Schedule:
     for c in calls:
         if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
             raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")
+    d["stop_ids"] = tuple(d.get("stop_ids", ()))  # JSON has lists, a Policy tuples
     policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
     return Schedule(calls, policy, d["dtype"], d["loops"])
 
@@ -3338,7 +3343,9 @@ def cmd_rollout(args) -> int:
         exit_policy=args.exit_policy,
         min_loops=args.min_loops,
         kv=args.kv,
-        eos_id=args.eos_id if args.eos_id is not None else model.config.eos_token_id,
+        stop_ids=tuple(
+            x for x in (args.eos_id if args.eos_id is not None else model.config.eos_token_id,) if x is not None
+        ),
     )
     ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
@@ -4045,7 +4052,7 @@ def cmd_demo(flags) -> int:
         p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen
     ][: flags.eval_problems]
     before: dict = {}
-    policy = cfg.policy(None)  # evaluate() makes it greedy, with the tokenizer's EOS
+    policy = cfg.policy(())  # evaluate() makes it greedy, with the tokenizer's EOS
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))

@@ -1001,7 +1001,7 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
     """Sequences of different lengths must replay exactly too (masks, padding, early stops)."""
     model = case.model(dtype)
     eos = case.rollout(model, mode=mode).completions[0][0]
-    ro = case.rollout(model, mode=mode, eos_id=eos)
+    ro = case.rollout(model, mode=mode, stop_ids=(eos,))
     assert len(ro.completions[0]) == 1
     assert torch.equal(S.replay_logprobs(model, ro), ro.logprobs)
 
@@ -1100,7 +1100,7 @@ def test_float64_rollout_matches_full_recompute(case, mode, numerics):
 )
 def test_sampling_follows_the_policy(logits, temperature, seed):
     """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
-    logp = S.policy_logprobs(torch.tensor([logits]), temperature)[0]  # (V,)
+    logp = S.policy_logprobs(torch.tensor([logits]), S.Policy(temperature=temperature))[0]  # (V,)
     gen, n = torch.Generator().manual_seed(seed), 3000
     counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
     for v, p in enumerate(logp.double().exp().tolist()):
@@ -1133,7 +1133,7 @@ def test_eos_ends_sequence_and_masks_the_rest(case, mode):
     model = case.model()
     full = case.rollout(model, mode=mode, numerics="invariant")
     eos = full.completions[0][1]  # a token that really occurs
-    ro = case.rollout(model, mode=mode, numerics="invariant", eos_id=eos)
+    ro = case.rollout(model, mode=mode, numerics="invariant", stop_ids=(eos,))
     N = case.max_new_tokens
     assert len(ro.completions) == len(full.completions) == len(case.prompts)
     for b, c in enumerate(full.completions):
@@ -1353,7 +1353,7 @@ def _grpo_rollout(case: Case, model: S.LoopedLM, mode: str, exit_policy: str = "
     (rewards 1 and 0) differ in their tokens or exit loops, or their gradients would cancel and the batch
     might teach nothing."""
     first = case.rollout(model, mode=mode, exit_policy=exit_policy)
-    ro = case.rollout(model, mode=mode, exit_policy=exit_policy, eos_id=first.completions[0][0])
+    ro = case.rollout(model, mode=mode, exit_policy=exit_policy, stop_ids=(first.completions[0][0],))
     assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
     return ro
 
