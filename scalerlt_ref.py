@@ -28,9 +28,12 @@ bias (Ouro-1.4B uses none of them).
 Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L
 layers, C width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a
 call, n_out rows read out in a call; in GRPO, G completions per prompt and P prompts per step; in attention,
-Bc the call's sequences, Tq their most rows, Tk key positions. Names: r a loop (1-based), p a position
-(0-based), b a sequence, e an exit loop, h a loop's output, g gate logits, lam = sigmoid(g), tau the exit
-threshold, k/v keys/values, logp log-probabilities, tf teacher-forced, tok_index a completion token's index.
+Bc the call's sequences, Tq their most rows, Tk key positions. Names: r a loop (1-based), j a number of loops
+run, p a position (0-based), b a sequence, c its completion, tok_index a completion token's index, tok a token
+(or a step's token log-prob, beside ext its exit's), e an exit loop, h a loop's output, x a layer's input, g
+gate logits, lam = sigmoid(g), tau the exit threshold, u a uniform draw, q/k/v queries/keys/values, ro a
+rollout, logp log-probabilities, tf teacher-forced, adv advantages (a: as a column), rw rewards, it GRPO's
+inner iteration.
 
 Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
 """
@@ -105,7 +108,7 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
     """
     if numerics == "fast":
         return fn(*rows)
-    return torch.cat([fn(*(t[i : i + 1] for t in rows)) for i in range(rows[0].shape[0])])
+    return torch.cat([fn(*(x[i : i + 1] for x in rows)) for i in range(rows[0].shape[0])])
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
@@ -221,8 +224,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):  # x (n, C) -> (n, C)
-        a = self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin)  # (n, C)
-        x = x + self.input_layernorm_2(a)
+        attn = self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin)  # (n, C)
+        x = x + self.input_layernorm_2(attn)
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -235,12 +238,6 @@ class OuroBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
-
-
-@dataclass
-class LoopOutputs:
-    logits: torch.Tensor  # (R, B, T, V) readout of every loop, in the model dtype
-    gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
 
 
 class LoopedLM(nn.Module):
@@ -309,26 +306,6 @@ class LoopedLM(nn.Module):
         """h (n, C) -> logits (n, V) in the model dtype."""
         return by_rows(numerics, self.lm_head, h)
 
-    def loop_outputs(self, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-        """The plain forward pass: every loop of every position, teacher-forced.
-
-        idx (B, T) long -> LoopOutputs: logits (R, B, T, V), gate_logits (R, B, T). Loop r is one pass
-        of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
-        """
-        cfg, (B, T) = self.config, idx.shape
-        seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
-        pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
-        h = self.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
-        logits, gates = [], []
-        for _ in range(cfg.total_ut_steps):
-            kv_shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
-            k = [torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
-            v = [torch.zeros(kv_shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
-            h = self.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
-            logits.append(self.readout(h, numerics).view(B, T, -1))
-            gates.append(self.gate_logits(h, numerics).view(B, T))
-        return LoopOutputs(torch.stack(logits), torch.stack(gates))
-
 
 # --- Exit rule --------------------------------------------------------------------------------------
 
@@ -386,8 +363,8 @@ def exit_loops(
     loops: gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= tau (R when none); tau None always exits at R.
-    Every operation is elementwise across positions: a position's decision has the same bits alone
-    (`exit_loop`, what the rollout asks after every loop) as among others (the oracle).
+    Every operation is elementwise across positions: a position's decision has the same bits alone (n = 1,
+    what the rollout asks after every loop) as among others (the oracle).
     NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
     float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
     model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
@@ -402,15 +379,7 @@ def exit_loops(
     if j == R:
         hit[:, R - 1] = True  # the last loop always exits
     first = hit.to(torch.int64).argmax(dim=1)  # (n,) the first loop that exits, 0-based
-    return [int(f) + 1 if bool(h) else None for f, h in zip(first, hit.any(dim=1))]
-
-
-def exit_loop(
-    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
-) -> int | None:
-    """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
-    while loops 1..j do not decide (the rollout asks after every loop). `exit_loops` for n = 1."""
-    return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
+    return [int(loop) + 1 if bool(decided) else None for loop, decided in zip(first, hit.any(dim=1))]
 
 
 # Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above, a
@@ -603,8 +572,8 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numer
     NOTE: the rollout (which samples from these rows) and the replay (which scores the recorded tokens
     with them) both call this, after the same `execute_call`: that is why their log-probs agree bit for bit.
     """
-    index = {rc: i for i, rc in enumerate(call.rows)}
-    rows = [index[rc] for rc in call.readout]
+    index = {row: i for i, row in enumerate(call.rows)}
+    rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
@@ -654,7 +623,7 @@ class Schedule:
 
     def row_loops(self) -> int:
         """Total (row, loop) units of work: the sum of the calls' row counts."""
-        return sum(len(c.rows) for c in self.calls)
+        return sum(len(call.rows) for call in self.calls)
 
 
 @dataclass
@@ -777,7 +746,7 @@ def rollout(
                 if sampled:
                     e = sample_exit(g[gi], r, R, policy.min_loops, gens[b])
                 else:
-                    e = exit_loop(torch.stack(gates[b]), R, tau, policy.min_loops, policy.exit_rule)
+                    e = exit_loops(torch.stack(gates[b])[None], R, tau, policy.min_loops, policy.exit_rule)[0]
                 if e is not None:
                     exits[b][-1] = e
                     call.readout.append(rows[i])
@@ -880,15 +849,15 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     for r in range(1, loops + 1):
         rows = [
             (b, p)
-            for b, (pr, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-            for p in range(len(pr) + len(c) - 1)
-            if kv.teacher_forced_runs(p, len(pr) - 1, e[p - len(pr) + 1] if p >= len(pr) else 0, r)
+            for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
+            for p in range(len(prompt) + len(c) - 1)  # the last token is never an input
+            if kv.teacher_forced_runs(p, len(prompt) - 1, exits[p - len(prompt) + 1] if p >= len(prompt) else 0, r)
         ]
         readout = [
-            (b, len(pr) - 1 + k)
-            for b, (pr, e) in enumerate(zip(ro.prompts, ro.exit_loops))
-            for k in range(len(e))
-            if e[k] == r
+            (b, len(prompt) - 1 + tok_index)
+            for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops))
+            for tok_index, e in enumerate(exits)
+            if e == r
         ]
         calls.append(Call(r, rows, readout))
     return calls
@@ -982,7 +951,7 @@ def grpo_loss(
     grpo: GRPOConfig = GRPOConfig(),
     *,
     ref_logp: torch.Tensor | None = None,
-    normaliser: float | None = None,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
 
@@ -995,29 +964,28 @@ def grpo_loss(
     Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
     higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
     log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
-    `normaliser` overrides the token or sequence count (data parallel: the global count).
+    `all_reduce` (data parallel) sums the token or sequence count over every process.
     """
-    m = mask.float()  # (B, N)
+    maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
-    a = adv[:, None]  # (B, 1)
-    term = torch.minimum(ratio * a, torch.clamp(ratio, 1 - grpo.epsilon_low, 1 + grpo.epsilon_high) * a)  # (B, N)
+    a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # a: (B, 1), the clip range
+    term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
     if grpo.beta > 0:
-        d = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(d) - d - 1 >= 0
-        kl = torch.exp(d) - d - 1  # (B, N)
+        log_ratio = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(x) - x - 1 >= 0
+        kl = torch.exp(log_ratio) - log_ratio - 1  # (B, N)
         term = term - grpo.beta * kl
-        stats["kl"] = float((kl.detach() * m).sum() / m.sum().clamp_min(1))
-    per_token = -term  # (B, N); we minimise
-    if grpo.loss_agg == "token_mean":
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else m.sum().clamp_min(1))
-    elif grpo.loss_agg == "seq_mean_token_mean":
-        seq_means = (per_token * m).sum(1) / m.sum(1).clamp_min(1)  # (B,)
-        loss = seq_means.sum() / (normaliser if normaliser is not None else seq_means.numel())
-    else:  # "dr_grpo"
-        loss = (per_token * m).sum() / (normaliser if normaliser is not None else mask.numel())  # B * N
+        stats["kl"] = float((kl.detach() * maskf).sum() / maskf.sum().clamp_min(1))
+    per_token = -term * maskf  # (B, N); we minimise
+    if grpo.loss_agg == "seq_mean_token_mean":
+        per_token = per_token.sum(1, keepdim=True) / maskf.sum(1, keepdim=True).clamp_min(1)  # (B, 1) sequence means
+    count = {"token_mean": maskf.sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[grpo.loss_agg]
+    if all_reduce is not None:  # data parallel: the count over every process
+        count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
+    loss = per_token.sum() / (count.clamp_min(1) if torch.is_tensor(count) else count)
     with torch.no_grad():
-        clipped = ((ratio < 1 - grpo.epsilon_low) & (a < 0)) | ((ratio > 1 + grpo.epsilon_high) & (a > 0))  # (B, N)
-        stats["clip_ratio"] = float((clipped.float() * m).sum() / m.sum().clamp_min(1))
+        clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
+        stats["clip_ratio"] = float((clipped.float() * maskf).sum() / maskf.sum().clamp_min(1))
         stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
         stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
     return loss, stats
@@ -1039,7 +1007,7 @@ def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
     """NonFiniteError saying what stopped being finite, and which parameters are not (the usual cause)."""
     if not bool(ok):
         bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
-        raise NonFiniteError(f"{what} (non-finite parameters: {bad})")
+        raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
 def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, check: bool) -> dict:
@@ -1064,16 +1032,6 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_
     return metrics
 
 
-def _global_count(mask: torch.Tensor, loss_agg: str, all_reduce) -> float | None:
-    """Data parallel: the loss's normaliser counted over every process (None in one process)."""
-    if all_reduce is None:
-        return None
-    count = mask.sum() if loss_agg == "token_mean" else torch.tensor(float(mask.shape[0]))
-    if loss_agg == "dr_grpo":
-        count = count * mask.shape[1]
-    return float(all_reduce(count.float().to(mask.device)))
-
-
 def grpo_update(
     model: LoopedLM,
     opt: torch.optim.Optimizer,
@@ -1096,36 +1054,29 @@ def grpo_update(
     mask = ro.mask.to(model.device)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each, exact
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
-    _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "sampled tokens have non-finite log-probs", model)
+    _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
     adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
     ref_logp = None
     if grpo.beta > 0:
         with torch.no_grad():
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
-    normaliser = _global_count(mask, grpo.loss_agg, all_reduce)  # None in one process
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
         logp, tf = learner_logprobs(model, ro, numerics, recorded if it == 0 else None)  # (B, N): value bits, tf grad
-        _finite_or_stop(
-            torch.isfinite(logp.detach())[mask].all(), f"the learner's log-probs at iteration {it + 1}", model
-        )
+        _finite_or_stop(torch.isfinite(logp.detach())[mask].all(), f"learner log-probs, iteration {it + 1}", model)
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
             metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, grpo, ref_logp=ref_logp, normaliser=normaliser)
-        _finite_or_stop(torch.isfinite(loss), f"GRPO loss is {loss.item()} at iteration {it + 1}", model)
+        loss, stats = grpo_loss(logp, logp_old, adv, mask, grpo, ref_logp=ref_logp, all_reduce=all_reduce)
+        _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         for param in model.parameters() if all_reduce is not None else []:  # data parallel: sum the gradients
             param.grad = None if param.grad is None else all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
-        _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm is {float(grad_norm)} at iteration {it + 1}", model)
+        _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm {float(grad_norm)}, iteration {it + 1}", model)
         opt.step()
-        _finite_or_stop(
-            all(p.isfinite().all() for p in model.parameters()),
-            "parameters are not finite after the optimizer step",
-            model,
-        )
+        _finite_or_stop(all(param.isfinite().all() for param in model.parameters()), "parameters after the step", model)
         # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
@@ -1842,6 +1793,33 @@ def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
+@dataclass
+class LoopOutputs:
+    logits: torch.Tensor  # (R, B, T, V) readout of every loop, in the model dtype
+    gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
+
+
+def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
+    """The plain forward pass: every loop of every position, teacher-forced (the warm start's and the tests').
+
+    idx (B, T) long -> LoopOutputs: logits (R, B, T, V), gate_logits (R, B, T). Loop r is one pass
+    of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
+    """
+    cfg, (B, T) = model.config, idx.shape
+    seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
+    pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
+    h = model.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
+    logits, gates = [], []
+    for _ in range(cfg.total_ut_steps):
+        kv_shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
+        k = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
+        v = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
+        h = model.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
+        logits.append(model.readout(h, numerics).view(B, T, -1))
+        gates.append(model.gate_logits(h, numerics).view(B, T))
+    return LoopOutputs(torch.stack(logits), torch.stack(gates))
+
+
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
     """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
 
@@ -1887,7 +1865,7 @@ def sft_warm_start(
             seq = torch.tensor(p + c)
             inputs[b, : len(seq) - 1], targets[b, : len(seq) - 1] = seq[:-1], seq[1:]
             mask[b, len(p) - 1 : len(seq) - 1] = True
-        out = model.loop_outputs(inputs.to(model.device))
+        out = loop_outputs(model, inputs.to(model.device))
         loss = ouro_loss(out, targets.to(model.device), mask.to(model.device), beta)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -2545,6 +2523,14 @@ def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
     for p in range(max(p for p, _ in cells) + 1):
         lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, R + 1)))
     return "\n".join(lines)
+
+
+def exit_loop(
+    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
+) -> int | None:
+    """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
+    while loops 1..j do not decide (what the rollout asks after every loop). `exit_loops` for n = 1."""
+    return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
 
 
 # The oracle's view of the exit rule: the CDF values and how far each loop was from exiting, for reports.
@@ -3381,7 +3367,7 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
     ids = list(prompt)
     R = model.config.total_ut_steps
     for _ in range(max_new_tokens):
-        out = model.loop_outputs(torch.tensor([ids], device=model.device))
+        out = loop_outputs(model, torch.tensor([ids], device=model.device))
         e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
     return ids[len(prompt) :]
