@@ -588,12 +588,23 @@ class Policy:
 
 
 def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
-    """The policy: logits (n, V) -> log-probabilities (n, V) in float32 (float64 for a float64 model).
-
-    log_softmax(float32(logits) / temperature); temperature 0 (greedy) scores with temperature 1.
-    """
+    """The policy, the distribution sampled: logits (n, V) -> log-probs (n, V) float32 (float64 for a float64 model).
+    x = float32(logits) / temperature (greedy: 1); then vLLM's top-k, top-p (`apply_top_k_top_p`; README, "Top-k and
+    top-p"): keep x >= its k-th largest, drop the least likely while their total is <= 1 - top_p; dropped: -inf."""
     t = policy.temperature if policy.temperature > 0 else 1.0
-    return by_rows(numerics, lambda z: torch.log_softmax(z.to(acc_dtype(z.dtype)) / t, dim=-1), logits)
+
+    def kept(z: torch.Tensor) -> torch.Tensor:
+        x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
+        if policy.top_k or policy.top_p < 1:
+            s = x.sort(dim=-1).values  # (n, V) ascending, as vLLM sorts
+            cut = s[:, -min(policy.top_k or s.shape[1], s.shape[1]) :][:, :1]  # (n, 1) the k-th largest (ties stay)
+            if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic; the top token always stays
+                cum = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1).cumsum(dim=-1)  # (n, V)
+                cut = s.gather(1, (cum <= 1 - policy.top_p).sum(1, keepdim=True).clamp(max=s.shape[1] - 1))
+            x = x.masked_fill(x < cut, -math.inf)  # (n, V) the kept tokens renormalise below
+        return torch.log_softmax(x, dim=-1)
+
+    return by_rows(numerics, kept, logits)
 
 
 def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
@@ -637,7 +648,7 @@ def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -
         return int(logp.argmax())
     cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
     u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
+    return min(int(torch.searchsorted(cdf, u, right=True)), int(torch.searchsorted(cdf, cdf[-1])))  # a kept token
 
 
 # --- Rollouts ---------------------------------------------------------------------------------------
@@ -908,9 +919,10 @@ def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     NOTE: `value.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
     is exactly 0.0 in every element, and x + 0.0 == x, so the value is `value`'s bits, always. The other
     form, `tf + (value - tf).detach()`, is exact only while tf and value are within a factor of 2 (then
-    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
+    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee. A token that teacher forcing
+    drops (top-k/top-p: rounding moved the boundary) gets no gradient instead of -inf - -inf = NaN.
     """
-    return value.detach() + (tf - tf.detach())
+    return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
 def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
@@ -1107,8 +1119,8 @@ def grpo_update(
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
         logp, tf = learner_logprobs(model, ro, numerics, recorded if it == 0 else None)  # (B, N): value bits, tf grad
-        _finite_or_stop(
-            torch.isfinite(logp.detach())[mask].all(), f"the learner's log-probs at iteration {it + 1}", model
+        _finite_or_stop(  # NOTE: -inf passes: a later iteration's top-k/top-p may drop a sampled token (ratio 0)
+            (logp.detach() < math.inf)[mask].all(), f"the learner's log-probs at iteration {it + 1}", model
         )
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
             metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
