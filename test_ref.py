@@ -152,6 +152,8 @@ class Case:
     seed: int
     max_new_tokens: int
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
     def model(self, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
         return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype)
@@ -160,6 +162,8 @@ class Case:
         args = dict(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
             exit_threshold=self.threshold,
             min_loops=self.min_loops,
             seed=self.seed,
@@ -168,8 +172,9 @@ class Case:
 
 
 @st.composite
-def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures=(1.0,)) -> Case:
-    """Tiny models with prompts of mixed lengths (1-5 tokens) and thresholds that give varied exits."""
+def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures=(1.0,), filters=((0, 1.0),)) -> Case:
+    """Tiny models with prompts of mixed lengths (1-5 tokens) and thresholds that give varied exits; `filters`
+    the (top_k, top_p) pairs to draw."""
     cfg = draw(configs(init))
     B = draw(between(*batch))
     token = st.integers(0, cfg.vocab_size - 1)
@@ -183,7 +188,12 @@ def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures
         seed=draw(st.integers(0, 2**16)),
         max_new_tokens=draw(between(*new_tokens)),
         temperature=draw(st.sampled_from(temperatures)),
+        **dict(zip(("top_k", "top_p"), draw(st.sampled_from(filters)))),
     )
+
+
+# top-k and top-p as vLLM applies them (off, each, both), the bitwise claims drawn over them too
+FILTERS = ((0, 1.0), (3, 1.0), (0, 0.7), (5, 0.9))
 
 
 # Tests about deferral draw at least 2 new tokens: a 1-token rollout is all prefill, nothing to defer.
@@ -949,7 +959,7 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
 
 
 @examples(22)
-@given(case=cases(), mode=modes, dtype=dtypes)
+@given(case=cases(filters=FILTERS), mode=modes, dtype=dtypes)
 @pytest.mark.parametrize(
     "exit_policy,rule", [("threshold", "survival"), ("threshold", "hf"), ("sampled", "survival")]
 )  # sampled exits need no threshold arithmetic, and the hf rule is only that: the two do not combine
@@ -957,7 +967,8 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
     """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1, for the
     joint policy too: with sampled exits a step's log-prob has two parts and the replay reproduces both
     bit for bit, also from a schedule read back from JSON, under either exit rule; the rule, the exit
-    policy and min_loops are data that the rollout records and the replay and the learner carry."""
+    policy and min_loops are data that the rollout records and the replay and the learner carry; so are
+    top-k and top-p (drawn), whose dropped tokens are never drawn."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, numerics="fast", exit_rule=rule, exit_policy=exit_policy)
     assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
@@ -966,6 +977,10 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
     assert ro.policy.exit_policy == exit_policy and ro.policy.min_loops == case.min_loops
     assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
     assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
+    assert bool(ro.logprobs[ro.mask].isfinite().all()) and (ro.policy.top_k, ro.policy.top_p) == (
+        case.top_k,
+        case.top_p,
+    )
     schedule = S.schedule_from_json(S.schedule_to_json(ro.schedule))
     assert schedule.policy == ro.policy
     for r in (ro, dataclasses.replace(ro, schedule=schedule)):
@@ -1012,12 +1027,13 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
 
 
 @examples(23)
-@given(case=cases(), dtype=dtypes)
+@given(case=cases(filters=FILTERS), dtype=dtypes)
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_policy):
     """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits. With
     sampled exits dense and deferred make the same draws in the same order, so tokens, exits and both
-    log-probs agree bit for bit, and so does the teacher-forced forward (both parts)."""
+    log-probs agree bit for bit, and so does the teacher-forced forward (both parts); top-k/top-p (drawn)
+    too, the kept set computed row by row."""
     model = case.model(dtype)
     dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy=exit_policy)
     deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy=exit_policy)
@@ -1092,17 +1108,30 @@ def test_float64_rollout_matches_full_recompute(case, mode, numerics):
     assert worst <= 1e-12, f"max |logprob diff| = {worst:.3e}"
 
 
-@examples(10)
+@examples(20)
 @given(
-    logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5),
+    logits=st.lists(st.floats(-3, 3).map(lambda x: round(x, 1)), min_size=2, max_size=8),  # ties happen
     seed=st.integers(0, 2**16),
     temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    top_k=st.sampled_from([0, 1, 3]),
+    top_p=st.sampled_from([1.0, 0.8, 0.5]),
 )
-def test_sampling_follows_the_policy(logits, temperature, seed):
-    """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
-    logp = S.policy_logprobs(torch.tensor([logits]), S.Policy(temperature=temperature))[0]  # (V,)
+def test_sampling_follows_the_policy(logits, temperature, seed, top_k, top_p):
+    """Recorded log-probs are only the policy's if the tokens are really drawn from it; a token top-k or
+    top-p drops is never drawn, and the kept set is vLLM's: the most likely tokens, ties with the k-th
+    kept, dropped only while the dropped mass is <= 1 - top_p (so the kept mass reaches top_p)."""
+    x = torch.tensor([logits]) / temperature  # (1, V)
+    logp = S.policy_logprobs(torch.tensor([logits]), S.Policy(temperature=temperature, top_k=top_k, top_p=top_p))[0]
+    kept = logp > -math.inf  # (V,)
+    low = x[0][kept].min()  # the least likely kept token's scaled logit
+    assert bool((x[0][~kept] < low).all()), "the kept set is the most likely tokens"
+    assert top_k == 0 or int((x[0] > low).sum()) < top_k, "more than k tokens above the k-th"
+    assert top_k == 0 or top_p < 1 or int(kept.sum()) >= min(top_k, len(logits)), "fewer than k kept"
+    full = torch.softmax(x.double().masked_fill(x < x[0].topk(top_k or len(logits)).values[-1], -math.inf), -1)[0]
+    assert float(full[kept].sum()) >= top_p - 1e-6 and float(full[x[0] > low].sum()) < top_p + 1e-6
     gen, n = torch.Generator().manual_seed(seed), 3000
     counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
+    assert all(kept[v] for v in counts), f"a dropped token was drawn: {counts}"
     for v, p in enumerate(logp.double().exp().tolist()):
         # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
         assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
@@ -1261,12 +1290,12 @@ def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype
 
 
 @examples(15)
-@given(case=cases(), mode=modes, dtype=dtypes)
+@given(case=cases(filters=FILTERS), mode=modes, dtype=dtypes)
 def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
     """On-policy means on-policy: with the weights that sampled, the hybrid's value (learner_logprobs) is
     the sampler's recorded log-probs bit for bit, float32 and bfloat16, dense and deferred; and
     grpo_update's first iteration takes that value, not the teacher-forced one (which differs in the last
-    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
+    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped; under top-k/top-p too."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode)
     value = S.learner_logprobs(model, ro)[0].detach()
