@@ -1307,6 +1307,23 @@ def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
     assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
 
 
+def test_a_later_iteration_may_drop_a_sampled_token():
+    """Under top-k a later GRPO iteration's policy may no longer keep a token it sampled: its log-prob is
+    -inf, a value (ratio 0, no gradient through it), not a non-finite error. One step with mu=1 shows the
+    drop; the same step with mu=2 (whose second iteration sees exactly those weights) completes."""
+    cfg, prompts = S.Config.from_json(TINY_JSON), [[1, 2, 3], [4, 5]] * 4
+    grpo = S.GRPOConfig(group_size=8, lr=0.05, max_grad_norm=100.0)
+    models = [S.LoopedLM(cfg, seed=0) for _ in range(2)]
+    ro = sample(models[0], prompts, top_k=2, max_new_tokens=8)
+    for model, mu in zip(models, (1, 2)):
+        opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
+        m = S.grpo_update(model, opt, ro, torch.arange(8.0) % 2, dataclasses.replace(grpo, mu=mu))
+        assert m["ratio_max"] == 1.0 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        if mu == 1:
+            assert bool((S.replay_logprobs(model, ro)[ro.mask] == -math.inf).any()), "no token was dropped"
+    assert all(bool(p.isfinite().all()) for p in models[1].parameters())
+
+
 @examples(10)
 @given(case=cases(), mode=modes, dtype=dtypes, data=st.data())
 def test_replay_mismatch_refuses_the_step(case, mode, dtype, data):
@@ -2154,6 +2171,28 @@ def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
     assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
 
 
+@pytest.mark.parametrize("mode", S.LOGPROB_MODES)
+def test_verify_accepts_each_logprob_mode_and_rejects_the_other(tmp_path, capsys, mode):
+    """`rollout --logprob-mode` writes the log-probs an engine reports (processed: of the distribution
+    sampled; raw: vLLM's default, log_softmax of the unscaled, unfiltered logits) and declares them with
+    the sampling (T = 0.7, top-p 0.9); `verify` accepts each as declared and fails each declared as the other
+    (raw log-probs declared processed, and the reverse), which differ at every token."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [i, 2 * i + 1]}) + "\n" for i in range(8)))
+    out = tmp_path / "r.jsonl"
+    argv = ["--prompts", str(prompts), "--out", str(out), "--temperature", "0.7", "--top-p", "0.9"]
+    rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, *argv, "--logprob-mode", mode, "--max-new-tokens", "8"])
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and all(
+        (r["temperature"], r["top_k"], r["top_p"], r["logprob_mode"]) == (0.7, 0, 0.9, mode) for r in recs
+    )
+    rc, s = _verify(out, capsys)
+    assert rc == 0 and s["mismatched_tokens"] == 0 and s["tokens"] == 64 and s["sampler_p_value"] >= 1e-3, s
+    other = {"processed": "raw", "raw": "processed"}[mode]
+    rc, s = _verify(_write_records(tmp_path / "lie.jsonl", [r | {"logprob_mode": other} for r in recs]), capsys)
+    assert rc == 1 and s["mismatched_tokens"] == 64, s
+
+
 def test_verify_accepts_empty_completion(tmp_path, capsys):
     """A record with a 1-token prompt and nothing generated is valid and verifies (no max() of nothing)."""
     ckpt = _tiny_checkpoint(tmp_path / "m")
@@ -2192,13 +2231,13 @@ def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
     assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
 
 
-def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None) -> tuple[S.LoopedLM, list[dict]]:
-    """The reference's own float64 rollouts as records (each temperature's rollout in turn)."""
+def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None, **kw) -> tuple[S.LoopedLM, list[dict]]:
+    """The reference's own float64 rollouts as records (each temperature's rollout in turn; `kw` more policy)."""
     model = S.LoopedLM(cfg or S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=0).double()
     recs = []
     for t in temperatures:
         ro = sample(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
-                       temperature=t, seed=seed)  # fmt: skip
+                       temperature=t, seed=seed, **kw)  # fmt: skip
         recs += S.rollout_records(ro)
     return model, recs
 
@@ -2220,20 +2259,33 @@ def test_greedy_records_must_be_the_reference_argmax(tmp_path, capsys):
     assert rc == 1 and s["greedy_mismatches"] == 1 and s["mismatched_tokens"] == 0, s
 
 
-def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "drawn,declared,mode",
+    [
+        ({"temperature": 0.8}, {"temperature": 1.0}, "processed"),
+        ({"top_p": 0.9}, {"top_p": 1.0}, "raw"),  # top-p draws recorded without their top-p
+        ({}, {"top_p": 0.9}, "raw"),  # and the reverse
+    ],
+)
+def test_sampler_test_flags_a_sampling_mismatch(tmp_path, capsys, drawn, declared, mode):
     """An engine that samples at 0.8 but reports temperature 1.0, with log-probs correct for 1.0, passes
-    every log-prob and exit check; the sampler test catches it at 2,000 tokens (p < 1e-3: exit 1)."""
+    every log-prob and exit check; so does one that applies a top-p it does not declare (or declares one it
+    did not apply), reporting raw log-probs (which no top-p changes). The sampler test, which scores each
+    draw under the distribution declared, catches each at 2,000 tokens (p < 1e-3: exit 1); the same tokens
+    declared as drawn pass."""
     cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
     model = S.LoopedLM(cfg, seed=0).double()
-    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
-    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, temperature=1.0))
-    lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie)))
+    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, **drawn)
+    raw = S.raw_logprobs(model, ro) if mode == "raw" else None
+    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, **declared))
+    if mode == "processed":
+        lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie, raw)))
     assert s["sampler_tokens"] == 2000 and s["mismatched_tokens"] == 0 and s["exit_rule_violations"] == 0, s
     assert rc == 1 and s["sampler_p_value"] < 1e-3, s
-    honest = S.rollout_records(ro)  # the same tokens, declared at 0.8: a correct engine
+    honest = S.rollout_records(ro, raw)  # the same tokens, declared as drawn: a correct engine
     rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "h.jsonl", honest))
     assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
 
@@ -2251,13 +2303,14 @@ def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch)
 # --- without false alarms, batched or not; its statistics ------------------------------------------
 
 
-def test_sampler_test_accepts_the_reference_own_rollouts():
-    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each) its
-    p-values over 20 seeds are never below 1e-3 (under the null they are uniform: P(any < 1e-3) ~ 2%;
-    the seeds are fixed, so this cannot flake)."""
+@pytest.mark.parametrize("policy", [{}, {"temperatures": (0.7,), "top_p": 0.9}, {"top_k": 20, "top_p": 0.8}])
+def test_sampler_test_accepts_the_reference_own_rollouts(policy):
+    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each), plain
+    or under top-k/top-p, its p-values over 20 seeds are never below 1e-3 (under the null they are uniform:
+    P(any < 1e-3) ~ 2%; the seeds are fixed, so this cannot flake)."""
     ps = []
     for seed in range(20):
-        model, recs = _float64_records(seed=seed)
+        model, recs = _float64_records(seed=seed, **policy)
         res = S.verify_records(model, recs, S.VerifyOptions(seed=seed))
         s = S.verify_summary(recs, res, S.VerifyOptions(atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3))
         assert s["sampler_tokens"] == 200 and s["mismatched_tokens"] == 0
@@ -2540,6 +2593,11 @@ BAD_FLAGS = [
     ("rollout", "--eos-id", str(10**30)),
     ("rollout", "--temperature", "inf"),
     ("rollout", "--max-new-tokens", "0"),
+    ("rollout", "--top-p", "0"),
+    ("rollout", "--top-k", "-1"),
+    ("train", "--top-p", "1.5"),
+    ("demo", "--top-p", "nan"),
+    ("rollout", "--logprob-mode", "raw_logits"),
     ("demo", "--lr", "nan"),
     ("demo", "--problems", "0"),
     ("demo", "--steps", "-1"),
@@ -2631,6 +2689,9 @@ BAD_RECORD_LINES = [
     ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
     (json.dumps(GOOD_RECORD | {"exit_logprobs": [-0.5]}), "'exit_logprobs' must be a list of"),
     (json.dumps(GOOD_RECORD | {"exit_logprobs": "x"}), "'exit_logprobs' must be a list of"),
+    (json.dumps(GOOD_RECORD | {"top_p": 0}), "'top_p' a number in (0, 1]"),
+    (json.dumps(GOOD_RECORD | {"top_k": 2.5}), "'top_k' must be an integer"),
+    (json.dumps(GOOD_RECORD | {"logprob_mode": "raw_logits"}), "'logprob_mode' must be one of"),
     ("[" * 100_000 + "]" * 100_000, "nested deeper"),
     (
         '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
