@@ -589,8 +589,8 @@ class Policy:
 
 def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
     """The policy, the distribution sampled: logits (n, V) -> log-probs (n, V) float32 (float64 for a float64 model).
-    x = float32(logits) / temperature (greedy: 1); then vLLM's top-k, top-p (`apply_top_k_top_p`; README, "Top-k and
-    top-p"): keep x >= its k-th largest, drop the least likely while their total is <= 1 - top_p; dropped: -inf."""
+    x = float32(logits) / temperature (greedy: 1); then vLLM's top-k, top-p (its `apply_top_k_top_p`; Contract §3):
+    keep x >= its k-th largest, drop the least likely while their total is <= 1 - top_p; dropped: -inf."""
     t = policy.temperature if policy.temperature > 0 else 1.0
 
     def kept(z: torch.Tensor) -> torch.Tensor:
