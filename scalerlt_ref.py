@@ -35,8 +35,7 @@ gate logits, lam = sigmoid(g), tau the exit threshold, u a uniform draw, q/k/v q
 rollout, logp log-probabilities, tf teacher-forced, adv advantages (a: as a column), rw rewards, it GRPO's
 inner iteration.
 
-Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`.
-"""
+Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`."""
 
 from __future__ import annotations
 
@@ -382,11 +381,10 @@ def exit_loops(
     return [int(loop) + 1 if bool(decided) else None for loop, decided in zip(first, hit.any(dim=1))]
 
 
-# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above, a
-# deterministic function of the gates: the policy's log-prob of a step is the token's alone, and the gate
-# learns only in the warm start. "sampled" draws the exit loop from the exit distribution itself, so the exit
-# is an action of the policy: a step's log-prob is log p(exit = e) + log pi(token | loop e), and GRPO trains
-# how deeply the model thinks as well as what it says.
+# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above,
+# a function of the gates: a step's log-prob is its token's, and the gate learns only in the warm start.
+# "sampled" draws the exit loop from the exit distribution: the exit is an action, a step's log-prob is
+# log p(exit = e) + log pi(token | loop e), and GRPO trains how deeply the model thinks as well as what it says.
 EXIT_POLICIES = ("threshold", "sampled")
 
 
@@ -557,12 +555,23 @@ class Policy:
 
 
 def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
-    """The policy: logits (n, V) -> log-probabilities (n, V) in float32 (float64 for a float64 model).
-
-    log_softmax(float32(logits) / temperature); temperature 0 (greedy) scores with temperature 1.
-    """
+    """The policy, the distribution sampled: logits (n, V) -> log-probs (n, V) float32 (float64 for a float64 model).
+    x = float32(logits) / temperature (greedy: 1); then vLLM's top-k, top-p (its `apply_top_k_top_p`; Contract §3):
+    keep x >= its k-th largest, drop the least likely while their total is <= 1 - top_p; dropped: -inf."""
     t = policy.temperature if policy.temperature > 0 else 1.0
-    return by_rows(numerics, lambda z: torch.log_softmax(z.to(acc_dtype(z.dtype)) / t, dim=-1), logits)
+
+    def kept(z: torch.Tensor) -> torch.Tensor:
+        x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
+        if policy.top_k or policy.top_p < 1:
+            s = x.sort(dim=-1).values  # (n, V) ascending, as vLLM sorts
+            cut = s[:, -min(policy.top_k or s.shape[1], s.shape[1]) :][:, :1]  # (n, 1) the k-th largest (ties stay)
+            if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic; the top token always stays
+                cum = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1).cumsum(dim=-1)  # (n, V)
+                cut = s.gather(1, (cum <= 1 - policy.top_p).sum(1, keepdim=True).clamp(max=s.shape[1] - 1))
+            x = x.masked_fill(x < cut, -math.inf)  # (n, V) the kept tokens renormalise below
+        return torch.log_softmax(x, dim=-1)
+
+    return by_rows(numerics, kept, logits)
 
 
 def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
@@ -606,7 +615,7 @@ def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -
         return int(logp.argmax())
     cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
     u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), logp.numel() - 1)
+    return min(int(torch.searchsorted(cdf, u, right=True)), int(torch.searchsorted(cdf, cdf[-1])))  # a kept token
 
 
 # --- Rollouts ---------------------------------------------------------------------------------------
@@ -877,9 +886,9 @@ def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     NOTE: `value.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
     is exactly 0.0 in every element, and x + 0.0 == x, so the value is `value`'s bits, always. The other
     form, `tf + (value - tf).detach()`, is exact only while tf and value are within a factor of 2 (then
-    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee.
-    """
-    return value.detach() + (tf - tf.detach())
+    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee. A token teacher forcing
+    drops (top-k/top-p: rounding moved the boundary) gets no gradient instead of -inf - -inf = NaN."""
+    return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
 def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
@@ -1064,7 +1073,8 @@ def grpo_update(
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
         logp, tf = learner_logprobs(model, ro, numerics, recorded if it == 0 else None)  # (B, N): value bits, tf grad
-        _finite_or_stop(torch.isfinite(logp.detach())[mask].all(), f"learner log-probs, iteration {it + 1}", model)
+        # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
+        _finite_or_stop((logp.detach() < math.inf)[mask].all(), f"learner log-probs, iteration {it + 1}", model)
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
             metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
         loss, stats = grpo_loss(logp, logp_old, adv, mask, grpo, ref_logp=ref_logp, all_reduce=all_reduce)
@@ -2102,6 +2112,8 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
 # --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ------
 
 REWARDS = ("strict", "lenient", "digits")
+TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
+TOP_P_HELP = "then among the most likely whose probability reaches this, as vLLM (1: all; applied after top-k)"
 
 
 @dataclass
@@ -2125,6 +2137,8 @@ class TrainConfig:
     group_size: int = _flag(8, "completions per prompt", within=(1, MAX_COUNT))
     max_new_tokens: int = _flag(16, "completion length limit", within=(1, MAX_COUNT))
     temperature: float = _flag(1.0, "sampling temperature", within=(0.0, 100.0))
+    top_k: int = _flag(0, TOP_K_HELP, within=(0, MAX_COUNT))
+    top_p: float = _flag(1.0, TOP_P_HELP, within=(0.0, 1.0, "(]"))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
     exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
     exit_policy: str = _flag(
@@ -2166,6 +2180,8 @@ class TrainConfig:
             exit_rule=self.exit_rule,
             exit_policy=self.exit_policy,
             min_loops=self.min_loops,
+            top_k=self.top_k,
+            top_p=self.top_p,
             stop_ids=stop_ids,
         )
 
@@ -2183,18 +2199,28 @@ class TrainConfig:
         )
 
 
-def rollout_records(ro: Rollout) -> list[dict]:
+def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
     """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
     after that position's exit loop exit_loops[k] (1-based). Sampled exits add "exit_logprobs", the log-prob
-    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k])."""
+    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k]). The log-probs are the
+    distribution sampled ("processed"), or `raw` (B, N) (`raw_logprobs`) in logprob_mode "raw"."""
+    sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
+    sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
     for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
         rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
-        rec["logprobs"] = [float(x) for x in ro.logprobs[b, : len(c)]]
+        rec["logprobs"] = [float(x) for x in logprobs[b, : len(c)]]
         if ro.policy.exit_policy == "sampled":
             rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
-        records.append(rec | {"temperature": ro.policy.temperature})
+        records.append(rec | sampling)
     return records
+
+
+def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
+    """(B, N) the tokens' log-probs as vLLM's default logprobs_mode "raw_logprobs" reports them: log_softmax of
+    the unscaled, unfiltered logits, from a replay of the rollout's own calls (the very logits it sampled from)."""
+    plain = dataclasses.replace(ro.policy, temperature=1.0, top_k=0, top_p=1.0)
+    return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
 
 
 def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
@@ -2486,6 +2512,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
 # --- The oracle: reading rollout records (written by `rollout_records`, under Trainer) and verifying them ---
 
 RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
+LOGPROB_MODES = ("processed", "raw")  # a record's log-probs: of the distribution sampled, or vLLM's raw_logprobs
+
+
+def _sampling(rec: dict) -> tuple[float, int, float, str]:
+    """What a record declares about its sampling (README, Contract §8): temperature, top_k, top_p, logprob_mode."""
+    return rec.get("temperature", 1.0), rec.get("top_k", 0), rec.get("top_p", 1.0), rec.get("logprob_mode", "processed")
 
 
 def schedule_to_json(schedule: Schedule) -> str:
@@ -2623,15 +2655,20 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
                 raise ValueError(f"{where}: {key!r} must be a list of {n} numbers, one per completion token")
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
                 raise ValueError(f"{where}: {key!r} must be finite numbers")
-        t = d.get("temperature", 1.0)
+        t, k, top_p, mode = _sampling(d)
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
             raise ValueError(f"{where}: 'temperature' must be a finite number >= 0")
+        k_ok = isinstance(k, int) and not isinstance(k, bool) and k >= -1  # vLLM: -1 or 0 turn top-k off
+        if not (k_ok and _is_finite_number(top_p) and 0 < top_p <= 1):
+            raise ValueError(f"{where}: 'top_k' must be an integer >= 0 (0 or -1: off), 'top_p' a number in (0, 1]")
+        if mode not in LOGPROB_MODES:
+            raise ValueError(f"{where}: 'logprob_mode' must be one of {', '.join(LOGPROB_MODES)}, got {mode!r}")
         if len(d["prompt_ids"]) + n > cfg.max_position_embeddings:
             raise ValueError(
                 f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
                 f"max_position_embeddings={cfg.max_position_embeddings}"
             )
-        records.append(dict(d, temperature=float(t), line=lineno))
+        records.append(dict(d, temperature=float(t), top_k=max(k, 0), top_p=float(top_p), line=lineno))
     if not records:
         raise ValueError(f"{path}: no records")
     return records
@@ -2694,7 +2731,7 @@ class VerifyOptions:
 def records_rollout(
     recs: list[dict], kv: str = "exact", exit_rule: str = "survival", exit_policy: str = "threshold", min_loops: int = 1
 ) -> Rollout:
-    """Records (of one temperature) as one Rollout to teacher-force: B = len(recs), N the longest
+    """Records (of one sampling, `_sampling`) as one Rollout to teacher-force: B = len(recs), N the longest
     completion; logprobs and exit_logprobs (B, N) float64 (0 where a record has none) and mask (B, N) bool,
     padded; no schedule. exit_policy "sampled" makes the teacher-forced pass compute exit log-probs."""
     N = max(len(r["completion_ids"]) for r in recs)
@@ -2706,6 +2743,7 @@ def records_rollout(
         logprobs[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
         exit_logprobs[b, :n] = torch.tensor(r.get("exit_logprobs", [0.0] * n), dtype=torch.float64)
         mask[b, :n] = True
+    t, k, p = _sampling(recs[0])[:3]
     return Rollout(
         prompts=[r["prompt_ids"] for r in recs],
         completions=[r["completion_ids"] for r in recs],
@@ -2714,7 +2752,7 @@ def records_rollout(
         mask=mask,
         schedule=None,
         policy=Policy(
-            temperature=recs[0]["temperature"], kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops
+            temperature=t, kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops, top_k=k, top_p=p
         ),
         exit_logprobs=exit_logprobs,
     )
@@ -2735,7 +2773,9 @@ def _check_reference_finite(
             f"token {k}: the reference exit gate is {gates[k, : ran[k]].tolist()}: the model's gate logits "
             "are not finite"
         )
-    bad = (~torch.isfinite(lp)).nonzero()[:, 0].tolist()
+    _, top_k, top_p, _ = _sampling(rec)
+    dropped = (lp == -math.inf) & (top_k > 0 or top_p < 1)  # a token top-k/top-p drops: a failure, not an error
+    bad = (~torch.isfinite(lp) & ~dropped).nonzero()[:, 0].tolist()
     if not bad:
         return
     k = bad[0]
@@ -2899,8 +2939,9 @@ def _sampler_uniforms(ro: Rollout, indices: list[int], seed: int) -> torch.Tenso
     return uniforms
 
 
-def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One teacher-forced pass of records' rollout `ro`, per token: (lp, exit_lp, gates, ran, policy).
+def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bool) -> tuple[torch.Tensor, ...]:
+    """One teacher-forced pass of records' rollout `ro`, per token: (lp, exit_lp, gates, ran, policy); `raw`: lp
+    is log_softmax of the unscaled, unfiltered logits (logprob_mode "raw"), the policy still ro.policy's.
 
     lp, exit_lp (B, N) float64 the reference's log-probs and exit log-probs; gates (B, N, R) in the model's
     dtype, the gate logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under
@@ -2912,6 +2953,9 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor) -> tupl
     gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # (B, N, R)
     ran = torch.zeros(B, N, dtype=torch.long)  # (B, N)
     policy = torch.full((B, N), math.nan, dtype=torch.float64)  # (B, N)
+    sampled = ro.policy  # the distribution sampled; `raw` teacher-forces the plain softmax and recomputes it per call
+    if raw:
+        ro = dataclasses.replace(ro, policy=dataclasses.replace(sampled, temperature=1.0, top_k=0, top_p=1.0))
 
     def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
@@ -2932,7 +2976,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor) -> tupl
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
         b, k, _ = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
-        if ro.policy.temperature > 0:
+        logp = policy_logprobs(logp, sampled) if raw else logp  # (k, V) shift-invariant: as from the logits
+        if sampled.temperature > 0:
             policy[b, k] = randomized_pit(logp, tok, uniforms[b, k]).cpu()
         else:  # greedy: how far below the reference's best the recorded token is (0: an argmax, ties too)
             lp = logp.double()
@@ -2976,11 +3021,12 @@ def _violations(
 
 
 def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
-    """`verify_records` for records of one temperature, in one teacher-forced pass of all of them."""
+    """`verify_records` for records of one sampling (`_sampling`), in one teacher-forced pass of all of them."""
     R = model.config.total_ut_steps
     any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
     ro = records_rollout(recs, opts.kv, opts.exit_rule, "sampled" if any_sampled else "threshold", opts.min_loops)
-    lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, _sampler_uniforms(ro, indices, opts.seed))
+    uniforms, raw = _sampler_uniforms(ro, indices, opts.seed), _sampling(recs[0])[3] == "raw"
+    lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, raw)
     rule_gates, rule_exits = _rule_exits(gates, ran, ro.mask, R, opts)
     results = []
     for b, (i, rec) in enumerate(zip(indices, recs)):
@@ -3005,7 +3051,7 @@ def verify_records(
     on_batch: Callable[[int], None] | None = None,
 ) -> list[VerifyResult]:
     """Recompute records teacher-forced (in the model's dtype), `opts.batch_size` sequences per pass
-    (records of the same temperature together; per-sequence results do not depend on the grouping beyond
+    (records of the same sampling together; per-sequence results do not depend on the grouping beyond
     rounding): every token's log-prob at its recorded exit loop, the exit rule at every producing position,
     and the reference policy at that loop for the sampler test.
 
@@ -3023,11 +3069,11 @@ def verify_records(
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
     results: list = [None] * len(recs)
-    groups: dict[float, list[int]] = {}  # temperature -> record indices (one temperature per pass)
+    groups: dict[tuple, list[int]] = {}  # `_sampling` -> record indices (one sampling per pass)
     empty = torch.zeros(0, dtype=torch.float64)
     for i, rec in enumerate(recs):
         if rec["completion_ids"]:
-            groups.setdefault(float(rec["temperature"]), []).append(i)
+            groups.setdefault(_sampling(rec), []).append(i)
         else:  # nothing was generated: nothing to recompute
             results[i] = VerifyResult.of(rec, empty, empty, empty)
     done = len(recs) - sum(map(len, groups.values()))
@@ -3329,6 +3375,8 @@ def cmd_rollout(args) -> int:
         exit_policy=args.exit_policy,
         min_loops=args.min_loops,
         kv=args.kv,
+        top_k=args.top_k,
+        top_p=args.top_p,
         stop_ids=tuple(
             x for x in (args.eos_id if args.eos_id is not None else model.config.eos_token_id,) if x is not None
         ),
@@ -3340,7 +3388,7 @@ def cmd_rollout(args) -> int:
             f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
             "small, or the model's logits overflow); nothing written"
         )
-    write_jsonl(args.out, rollout_records(ro))
+    write_jsonl(args.out, rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None))
     n = int(ro.mask.sum())
     print(
         json.dumps(
@@ -3818,6 +3866,13 @@ class RolloutFlags(ModelFlags):
     numerics: str = _flag("fast", "row numerics", choices=NUMERICS)
     max_new_tokens: int = _flag(32, "completion length limit", within=(1, MAX_COUNT))
     temperature: float = _flag(1.0, "sampling temperature (0: greedy)", within=(0.0, 100.0))
+    top_k: int = _flag(0, TOP_K_HELP, within=(0, MAX_COUNT))
+    top_p: float = _flag(1.0, TOP_P_HELP, within=(0.0, 1.0, "(]"))
+    logprob_mode: str = _flag(
+        "processed",
+        "log-probs to write: processed (of the distribution sampled) or raw (vLLM's default)",
+        choices=LOGPROB_MODES,
+    )
     eos_id: int | None = _flag(None, "end-of-sequence id (default: the config's)", within=(0, MAX_SEED))
     seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
     exit_policy: str = _flag(
@@ -3939,6 +3994,8 @@ DEMO_PRESET = {
         "threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
     ),
     "loop_cost": (0.0, "reward -= this x the sequence's mean exit loop"),
+    "top_k": (0, TOP_K_HELP),
+    "top_p": (1.0, TOP_P_HELP),
     "scale_rewards": (
         "group",
         "advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
@@ -4092,7 +4149,7 @@ COMMANDS = {  # name: (its flags, its function, --help line, description)
         cmd_rollout,
         "sample completions and write rollout records (JSONL)",
         "Sample completions and write one record per sequence: prompt_ids, "
-        "completion_ids, exit_loops (1-based), logprobs, temperature.",
+        "completion_ids, exit_loops (1-based), logprobs, temperature, top_k, top_p, logprob_mode.",
     ),
     "verify": (
         VerifyFlags,

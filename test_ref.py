@@ -152,6 +152,8 @@ class Case:
     seed: int
     max_new_tokens: int
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
     def model(self, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
         return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype)
@@ -160,6 +162,8 @@ class Case:
         args = dict(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
             exit_threshold=self.threshold,
             min_loops=self.min_loops,
             seed=self.seed,
@@ -168,8 +172,9 @@ class Case:
 
 
 @st.composite
-def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures=(1.0,)) -> Case:
-    """Tiny models with prompts of mixed lengths (1-5 tokens) and thresholds that give varied exits."""
+def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures=(1.0,), filters=((0, 1.0),)) -> Case:
+    """Tiny models with prompts of mixed lengths (1-5 tokens) and thresholds that give varied exits; `filters`
+    the (top_k, top_p) pairs to draw."""
     cfg = draw(configs(init))
     B = draw(between(*batch))
     token = st.integers(0, cfg.vocab_size - 1)
@@ -183,7 +188,12 @@ def cases(draw, init=BITWISE_INIT, batch=(1, 4), new_tokens=(1, 6), temperatures
         seed=draw(st.integers(0, 2**16)),
         max_new_tokens=draw(between(*new_tokens)),
         temperature=draw(st.sampled_from(temperatures)),
+        **dict(zip(("top_k", "top_p"), draw(st.sampled_from(filters)))),
     )
+
+
+# top-k and top-p as vLLM applies them (off, each, both), the bitwise claims drawn over them too
+FILTERS = ((0, 1.0), (3, 1.0), (0, 0.7), (5, 0.9))
 
 
 # Tests about deferral draw at least 2 new tokens: a 1-token rollout is all prefill, nothing to defer.
@@ -949,7 +959,7 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
 
 
 @examples(22)
-@given(case=cases(), mode=modes, dtype=dtypes)
+@given(case=cases(filters=FILTERS), mode=modes, dtype=dtypes)
 @pytest.mark.parametrize(
     "exit_policy,rule", [("threshold", "survival"), ("threshold", "hf"), ("sampled", "survival")]
 )  # sampled exits need no threshold arithmetic, and the hf rule is only that: the two do not combine
@@ -957,7 +967,8 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
     """Replay re-executes the schedule through the same code, so GRPO's first ratio is exactly 1, for the
     joint policy too: with sampled exits a step's log-prob has two parts and the replay reproduces both
     bit for bit, also from a schedule read back from JSON, under either exit rule; the rule, the exit
-    policy and min_loops are data that the rollout records and the replay and the learner carry."""
+    policy and min_loops are data that the rollout records and the replay and the learner carry; so are
+    top-k and top-p (drawn), whose dropped tokens are never drawn."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode, numerics="fast", exit_rule=rule, exit_policy=exit_policy)
     assert ro.logprobs.dtype == torch.float32 and bool(ro.mask.any())
@@ -966,6 +977,10 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
     assert ro.policy.exit_policy == exit_policy and ro.policy.min_loops == case.min_loops
     assert all(case.min_loops <= e for es in ro.exit_loops for e in es)
     assert bool((ro.exit_logprobs[ro.mask] <= 0).all()) and not bool(ro.exit_logprobs[~ro.mask].any())
+    assert bool(ro.logprobs[ro.mask].isfinite().all()) and (ro.policy.top_k, ro.policy.top_p) == (
+        case.top_k,
+        case.top_p,
+    )
     schedule = S.schedule_from_json(S.schedule_to_json(ro.schedule))
     assert schedule.policy == ro.policy
     for r in (ro, dataclasses.replace(ro, schedule=schedule)):
@@ -1012,12 +1027,13 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
 
 
 @examples(23)
-@given(case=cases(), dtype=dtypes)
+@given(case=cases(filters=FILTERS), dtype=dtypes)
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_policy):
     """Row-invariant numerics make the schedule irrelevant: the claim that deferral changes no bits. With
     sampled exits dense and deferred make the same draws in the same order, so tokens, exits and both
-    log-probs agree bit for bit, and so does the teacher-forced forward (both parts)."""
+    log-probs agree bit for bit, and so does the teacher-forced forward (both parts); top-k/top-p (drawn)
+    too, the kept set computed row by row."""
     model = case.model(dtype)
     dense = case.rollout(model, mode="dense", numerics="invariant", exit_policy=exit_policy)
     deferred = case.rollout(model, mode="deferred", numerics="invariant", exit_policy=exit_policy)
@@ -1092,17 +1108,30 @@ def test_float64_rollout_matches_full_recompute(case, mode, numerics):
     assert worst <= 1e-12, f"max |logprob diff| = {worst:.3e}"
 
 
-@examples(10)
+@examples(20)
 @given(
-    logits=st.lists(st.floats(-3, 3), min_size=2, max_size=5),
+    logits=st.lists(st.floats(-3, 3).map(lambda x: round(x, 1)), min_size=2, max_size=8),  # ties happen
     seed=st.integers(0, 2**16),
     temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    top_k=st.sampled_from([0, 1, 3]),
+    top_p=st.sampled_from([1.0, 0.8, 0.5]),
 )
-def test_sampling_follows_the_policy(logits, temperature, seed):
-    """Recorded log-probs are only the policy's if the tokens are really drawn from it."""
-    logp = S.policy_logprobs(torch.tensor([logits]), S.Policy(temperature=temperature))[0]  # (V,)
+def test_sampling_follows_the_policy(logits, temperature, seed, top_k, top_p):
+    """Recorded log-probs are only the policy's if the tokens are really drawn from it; a token top-k or
+    top-p drops is never drawn, and the kept set is vLLM's: the most likely tokens, ties with the k-th
+    kept, dropped only while the dropped mass is <= 1 - top_p (so the kept mass reaches top_p)."""
+    x = torch.tensor([logits]) / temperature  # (1, V)
+    logp = S.policy_logprobs(torch.tensor([logits]), S.Policy(temperature=temperature, top_k=top_k, top_p=top_p))[0]
+    kept = logp > -math.inf  # (V,)
+    low = x[0][kept].min()  # the least likely kept token's scaled logit
+    assert bool((x[0][~kept] < low).all()), "the kept set is the most likely tokens"
+    assert top_k == 0 or int((x[0] > low).sum()) < top_k, "more than k tokens above the k-th"
+    assert top_k == 0 or top_p < 1 or int(kept.sum()) >= min(top_k, len(logits)), "fewer than k kept"
+    full = torch.softmax(x.double().masked_fill(x < x[0].topk(top_k or len(logits)).values[-1], -math.inf), -1)[0]
+    assert float(full[kept].sum()) >= top_p - 1e-6 and float(full[x[0] > low].sum()) < top_p + 1e-6
     gen, n = torch.Generator().manual_seed(seed), 3000
     counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
+    assert all(kept[v] for v in counts), f"a dropped token was drawn: {counts}"
     for v, p in enumerate(logp.double().exp().tolist()):
         # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
         assert abs(counts[v] / n - p) <= 5 * math.sqrt(p * (1 - p) / n) + 1e-3, (v, counts[v] / n, p)
@@ -1261,12 +1290,12 @@ def test_hybrid_value_is_replay_and_gradient_is_teacher_forced(case, mode, dtype
 
 
 @examples(15)
-@given(case=cases(), mode=modes, dtype=dtypes)
+@given(case=cases(filters=FILTERS), mode=modes, dtype=dtypes)
 def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
     """On-policy means on-policy: with the weights that sampled, the hybrid's value (learner_logprobs) is
     the sampler's recorded log-probs bit for bit, float32 and bfloat16, dense and deferred; and
     grpo_update's first iteration takes that value, not the teacher-forced one (which differs in the last
-    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped."""
+    bits): every ratio it reports is exactly 1.0 and, with eps 1e-6, nothing is clipped; under top-k/top-p too."""
     model = case.model(dtype)
     ro = case.rollout(model, mode=mode)
     value = S.learner_logprobs(model, ro)[0].detach()
@@ -1276,6 +1305,23 @@ def test_learner_value_is_the_recorded_logprobs_bitwise(case, mode, dtype):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     m = S.grpo_update(model, opt, ro, rewards, S.GRPOConfig(group_size=B, epsilon_low=1e-6, epsilon_high=1e-6))
     assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["clip_ratio"] == 0.0, m
+
+
+def test_a_later_iteration_may_drop_a_sampled_token():
+    """Under top-k a later GRPO iteration's policy may no longer keep a token it sampled: its log-prob is
+    -inf, a value (ratio 0, no gradient through it), not a non-finite error. One step with mu=1 shows the
+    drop; the same step with mu=2 (whose second iteration sees exactly those weights) completes."""
+    cfg, prompts = S.Config.from_json(TINY_JSON), [[1, 2, 3], [4, 5]] * 4
+    grpo = S.GRPOConfig(group_size=8, lr=0.05, max_grad_norm=100.0)
+    models = [S.LoopedLM(cfg, seed=0) for _ in range(2)]
+    ro = sample(models[0], prompts, top_k=2, max_new_tokens=8)
+    for model, mu in zip(models, (1, 2)):
+        opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
+        m = S.grpo_update(model, opt, ro, torch.arange(8.0) % 2, dataclasses.replace(grpo, mu=mu))
+        assert m["ratio_max"] == 1.0 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]), m
+        if mu == 1:
+            assert bool((S.replay_logprobs(model, ro)[ro.mask] == -math.inf).any()), "no token was dropped"
+    assert all(bool(p.isfinite().all()) for p in models[1].parameters())
 
 
 @examples(10)
@@ -2125,6 +2171,28 @@ def test_rollout_command_writes_sampled_exit_records(tmp_path, capsys):
     assert rc == 0 and s["exit_logprob_tokens"] == sum(len(r["completion_ids"]) for r in recs), s
 
 
+@pytest.mark.parametrize("mode", S.LOGPROB_MODES)
+def test_verify_accepts_each_logprob_mode_and_rejects_the_other(tmp_path, capsys, mode):
+    """`rollout --logprob-mode` writes the log-probs an engine reports (processed: of the distribution
+    sampled; raw: vLLM's default, log_softmax of the unscaled, unfiltered logits) and declares them with
+    the sampling (T = 0.7, top-p 0.9); `verify` accepts each as declared and fails each declared as the other
+    (raw log-probs declared processed, and the reverse), which differ at every token."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": [i, 2 * i + 1]}) + "\n" for i in range(8)))
+    out = tmp_path / "r.jsonl"
+    argv = ["--prompts", str(prompts), "--out", str(out), "--temperature", "0.7", "--top-p", "0.9"]
+    rc, _ = _run(capsys, ["rollout", "--config", TINY_JSON, *argv, "--logprob-mode", mode, "--max-new-tokens", "8"])
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 0 and all(
+        (r["temperature"], r["top_k"], r["top_p"], r["logprob_mode"]) == (0.7, 0, 0.9, mode) for r in recs
+    )
+    rc, s = _verify(out, capsys)
+    assert rc == 0 and s["mismatched_tokens"] == 0 and s["tokens"] == 64 and s["sampler_p_value"] >= 1e-3, s
+    other = {"processed": "raw", "raw": "processed"}[mode]
+    rc, s = _verify(_write_records(tmp_path / "lie.jsonl", [r | {"logprob_mode": other} for r in recs]), capsys)
+    assert rc == 1 and s["mismatched_tokens"] == 64, s
+
+
 def test_verify_accepts_empty_completion(tmp_path, capsys):
     """A record with a 1-token prompt and nothing generated is valid and verifies (no max() of nothing)."""
     ckpt = _tiny_checkpoint(tmp_path / "m")
@@ -2163,13 +2231,13 @@ def test_verify_counts_exit_rule_violations_with_margins(tmp_path, capsys):
     assert len(v) == 1 and v[0]["token"] == 1 and math.isfinite(v[0]["margin"]), v
 
 
-def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None) -> tuple[S.LoopedLM, list[dict]]:
-    """The reference's own float64 rollouts as records (each temperature's rollout in turn)."""
+def _float64_records(temperatures=(1.0,), seed=0, prompts=10, new=20, cfg=None, **kw) -> tuple[S.LoopedLM, list[dict]]:
+    """The reference's own float64 rollouts as records (each temperature's rollout in turn; `kw` more policy)."""
     model = S.LoopedLM(cfg or S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=0).double()
     recs = []
     for t in temperatures:
         ro = sample(model, [[i % 50, (7 * i) % 50][: 1 + i % 2] for i in range(prompts)], max_new_tokens=new,
-                       temperature=t, seed=seed)  # fmt: skip
+                       temperature=t, seed=seed, **kw)  # fmt: skip
         recs += S.rollout_records(ro)
     return model, recs
 
@@ -2191,20 +2259,33 @@ def test_greedy_records_must_be_the_reference_argmax(tmp_path, capsys):
     assert rc == 1 and s["greedy_mismatches"] == 1 and s["mismatched_tokens"] == 0, s
 
 
-def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "drawn,declared,mode",
+    [
+        ({"temperature": 0.8}, {"temperature": 1.0}, "processed"),
+        ({"top_p": 0.9}, {"top_p": 1.0}, "raw"),  # top-p draws recorded without their top-p
+        ({}, {"top_p": 0.9}, "raw"),  # and the reverse
+    ],
+)
+def test_sampler_test_flags_a_sampling_mismatch(tmp_path, capsys, drawn, declared, mode):
     """An engine that samples at 0.8 but reports temperature 1.0, with log-probs correct for 1.0, passes
-    every log-prob and exit check; the sampler test catches it at 2,000 tokens (p < 1e-3: exit 1)."""
+    every log-prob and exit check; so does one that applies a top-p it does not declare (or declares one it
+    did not apply), reporting raw log-probs (which no top-p changes). The sampler test, which scores each
+    draw under the distribution declared, catches each at 2,000 tokens (p < 1e-3: exit 1); the same tokens
+    declared as drawn pass."""
     cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
     cfg_path = tmp_path / "cfg.json"
     cfg_path.write_text(json.dumps(dataclasses.asdict(cfg)))
     model = S.LoopedLM(cfg, seed=0).double()
-    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, temperature=0.8)
-    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, temperature=1.0))
-    lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
-    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie)))
+    ro = sample(model, [[i % 50, (3 * i) % 50] for i in range(50)], max_new_tokens=40, **drawn)
+    raw = S.raw_logprobs(model, ro) if mode == "raw" else None
+    lie = dataclasses.replace(ro, policy=dataclasses.replace(ro.policy, **declared))
+    if mode == "processed":
+        lie.logprobs = S.teacher_forced_logprobs(model, lie).detach()  # correct log-probs, at the wrong temperature
+    rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "r.jsonl", S.rollout_records(lie, raw)))
     assert s["sampler_tokens"] == 2000 and s["mismatched_tokens"] == 0 and s["exit_rule_violations"] == 0, s
     assert rc == 1 and s["sampler_p_value"] < 1e-3, s
-    honest = S.rollout_records(ro)  # the same tokens, declared at 0.8: a correct engine
+    honest = S.rollout_records(ro, raw)  # the same tokens, declared as drawn: a correct engine
     rc, s = _verify_json(capsys, cfg_path, _write_records(tmp_path / "h.jsonl", honest))
     assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
 
@@ -2222,13 +2303,14 @@ def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch)
 # --- without false alarms, batched or not; its statistics ------------------------------------------
 
 
-def test_sampler_test_accepts_the_reference_own_rollouts():
-    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each) its
-    p-values over 20 seeds are never below 1e-3 (under the null they are uniform: P(any < 1e-3) ~ 2%;
-    the seeds are fixed, so this cannot flake)."""
+@pytest.mark.parametrize("policy", [{}, {"temperatures": (0.7,), "top_p": 0.9}, {"top_k": 20, "top_p": 0.8}])
+def test_sampler_test_accepts_the_reference_own_rollouts(policy):
+    """The sampler test must not cry wolf: on the reference's own sampled rollouts (200 tokens each), plain
+    or under top-k/top-p, its p-values over 20 seeds are never below 1e-3 (under the null they are uniform:
+    P(any < 1e-3) ~ 2%; the seeds are fixed, so this cannot flake)."""
     ps = []
     for seed in range(20):
-        model, recs = _float64_records(seed=seed)
+        model, recs = _float64_records(seed=seed, **policy)
         res = S.verify_records(model, recs, S.VerifyOptions(seed=seed))
         s = S.verify_summary(recs, res, S.VerifyOptions(atol=1e-8, flip_margin=1e-8, sampler_alpha=1e-3))
         assert s["sampler_tokens"] == 200 and s["mismatched_tokens"] == 0
@@ -2511,6 +2593,11 @@ BAD_FLAGS = [
     ("rollout", "--eos-id", str(10**30)),
     ("rollout", "--temperature", "inf"),
     ("rollout", "--max-new-tokens", "0"),
+    ("rollout", "--top-p", "0"),
+    ("rollout", "--top-k", "-1"),
+    ("train", "--top-p", "1.5"),
+    ("demo", "--top-p", "nan"),
+    ("rollout", "--logprob-mode", "raw_logits"),
     ("demo", "--lr", "nan"),
     ("demo", "--problems", "0"),
     ("demo", "--steps", "-1"),
@@ -2602,6 +2689,9 @@ BAD_RECORD_LINES = [
     ('{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [NaN]}', "must be finite"),
     (json.dumps(GOOD_RECORD | {"exit_logprobs": [-0.5]}), "'exit_logprobs' must be a list of"),
     (json.dumps(GOOD_RECORD | {"exit_logprobs": "x"}), "'exit_logprobs' must be a list of"),
+    (json.dumps(GOOD_RECORD | {"top_p": 0}), "'top_p' a number in (0, 1]"),
+    (json.dumps(GOOD_RECORD | {"top_k": 2.5}), "'top_k' must be an integer"),
+    (json.dumps(GOOD_RECORD | {"logprob_mode": "raw_logits"}), "'logprob_mode' must be one of"),
     ("[" * 100_000 + "]" * 100_000, "nested deeper"),
     (
         '{"prompt_ids": [1], "completion_ids": [2], "exit_loops": [1], "logprobs": [0], "temperature": '
