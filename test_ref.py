@@ -817,11 +817,12 @@ def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
 
 
 def test_no_threshold_means_exit_at_R(tmp_path):
-    """A config without a threshold always reads out loop R (as HF does): in HF config.json files (absent
-    key: None, no longer 1.0) and tiny configs (null); rollouts under either rule exit at R."""
+    """An HF config.json without the key reads 1.0, as the official OuroConfig class does (issue 19); a null
+    threshold (HF or tiny config) always reads out loop R: rollouts under either rule exit at R."""
     hf = {"model_type": "ouro", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1}
     hf |= {"num_attention_heads": 2, "num_key_value_heads": 1, "total_ut_steps": 3, "max_position_embeddings": 64}
-    cfg = S.Config.from_dict(hf)
+    assert S.Config.from_dict(hf).early_exit_threshold == 1.0
+    cfg = S.Config.from_dict(hf | {"early_exit_threshold": None})
     assert cfg.early_exit_threshold is None
     assert S.Config.from_dict(S.config_to_hf(cfg)).early_exit_threshold is None  # null round-trips
     assert S.Config.from_dict(TINY | {"early_exit_threshold": None}).early_exit_threshold is None
@@ -1665,7 +1666,8 @@ def test_scorers_on_real_gsm8k_lines():
         gold = S.gsm8k_answer(d["answer"])
         assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
         assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
-        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"so it is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"so it is {gold:g}", d["answer"], "lenient") == 1.0
         assert S.gsm8k_score(f"#### {gold + 1:g}", d["answer"], "strict") == 0.0
 
 
@@ -1676,6 +1678,45 @@ def test_scorer_number_normalisation():
     assert S.gsm8k_score("#### 3 then #### 4", "#### 4") == 1.0
     assert S.gsm8k_score("#### 4 then #### 3", "#### 4") == 0.0
     assert S.gsm8k_score("it is 7 or 8", "8", "lenient") == 1.0
+
+
+# (completion, strict answer, lenient answer): the extractor's rules, in the order README §7 gives them
+ANSWERS = [
+    ("#### 72", 72, 72),  # GSM8K's own format
+    ("\\boxed{72}", 72, 72),  # a thinking model's, no '####': 0 before issue 19
+    ("<think>2+2=4</think>So \\boxed{72}.", 72, 72),
+    ("<think>#### 5</think> The answer is 6.", 6, 6),  # only the text after the last </think> counts
+    ("<think>#### 5 and still thinking", None, None),  # a think block never closed: no answer
+    ("<think>a</think><think>b</think> #### 9", 9, 9),  # the last </think>
+    ("\\boxed{\\frac{3}{4}}", 0.75, 0.75),  # nested braces
+    ("\\boxed{-\\dfrac{1}{2}}", -0.5, -0.5),
+    ("\\boxed{1} then \\boxed{2}", 2, 2),  # the last box
+    ("\\boxed{\\text{{about}} 12}", 12, 12),
+    ("\\boxed{25\\%}", 25, 25),  # a simple percentage reads as its number
+    ("\\boxed{\\$1,250.50}", 1250.5, 1250.5),
+    ("#### 3 then \\boxed{4}", 4, 4),  # a box beats '####'
+    ("The answer is 18. Check: 2+2=4", 18, 18),  # 'answer is' beats the last number
+    ("the final Answer is: -7", -7, -7),
+    ("answer is 3, so #### 4", 4, 4),  # '####' beats 'answer is'
+    ("it is 7 or 8", None, 8),  # the last number: lenient only
+    ("we get 4,5 then", None, 5),  # a comma not before three digits separates numbers
+    ("#### 1,234,567", 1234567, 1234567),  # thousands separators
+    ("#### 12,34", 12, 12),
+    ("#### -0.5", -0.5, -0.5),  # negative and decimal numbers
+    ("#### .5", 0.5, 0.5),
+    ("costs $18.00.", None, 18),
+    ("50% of them", None, 50),
+    ("no number here", None, None),
+]
+
+
+@pytest.mark.parametrize("text,strict,lenient", ANSWERS)
+def test_answer_extractor_table(text, strict, lenient):
+    """Each rule of the answer extractor on a case that only it decides (think blocks, boxes with nested
+    braces, '####', 'answer is', the lenient last number, separators, fractions, signs and decimals)."""
+    assert S.extract_answer(text) == strict and S.extract_answer(text, lenient=True) == lenient
+    if strict is not None:  # and the scorer compares the extracted number with the reference's
+        assert S.gsm8k_score(text, f"#### {strict}") == 1.0 and S.gsm8k_score(text, str(strict + 1)) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
