@@ -2250,6 +2250,21 @@ def test_sampler_test_flags_a_temperature_mismatch(tmp_path, capsys):
     assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
 
 
+def test_verify_fails_a_completion_that_continues_after_a_stop_id(tmp_path, capsys):
+    """A record whose engine sampled one of its "stop_ids" and went on is a failure (exit 1) naming the token;
+    the same stop as its last token passes."""
+    recs = [json.loads(x) for x in _records(tmp_path, "exact").read_text().splitlines()]
+    rec = next(r for r in recs if len(r["completion_ids"]) >= 3)
+    ok = _write_records(tmp_path / "ok.jsonl", [rec | {"stop_ids": [rec["completion_ids"][-1]]}])
+    assert _verify(ok, capsys)[0] == 0
+    bad = _write_records(tmp_path / "bad.jsonl", [rec | {"stop_ids": [rec["completion_ids"][1]]}])
+    capsys.readouterr()
+    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(bad), "--atol", "1e-4"])
+    out = capsys.readouterr().out
+    assert rc == 1 and json.loads(out.splitlines()[-1])["tokens_after_stop"] >= 1
+    assert f"token 2: generated after stop id {rec['completion_ids'][1]} (token 1)" in out
+
+
 def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch):
     """Non-finite reference log-probs that come from the model are a failure (exit 1), never agreement."""
     model = S.LoopedLM(S.Config(**TINY)).double()
@@ -2511,6 +2526,119 @@ def test_bench_model_on_a_checkpoint(tmp_path, capsys):
     assert "bf16 / fp32" not in out  # float32 only: nothing to compare
 
 
+# --- a real chat checkpoint: its template, its stop ids ----------------------------------------------
+
+# ChatML, ignoring enable_thinking (as the Ouro-RL codebase reports Ouro-1.4B-Thinking's does)
+CHATML = (  # its indents and line breaks vanish only under trim_blocks and lstrip_blocks, as HF renders
+    "{{ bos_token }}{% for m in messages %}\n  {% set role = m['role'] %}\n"
+    "{{ '<|im_start|>' + role + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}\n"
+    "{% if add_generation_prompt %}\n{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _chat_checkpoint(path: Path, template: str | None = CHATML, generation_eos=None) -> Path:
+    """A tiny checkpoint with its own tokenizer, built here with the `tokenizers` library (no download):
+    ChatML's special tokens at ids 0/1/2 (<|endoftext|>, <|im_start|>, <|im_end|>), one token per printable
+    character; `template` as tokenizer_config.json's chat_template; generation_config.json's eos_token_id."""
+    tk = pytest.importorskip("tokenizers")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["[UNK]", "\n"] + [chr(c) for c in range(32, 127)])}
+    tok = tk.Tokenizer(tk.models.BPE(vocab, [], unk_token="[UNK]"))  # no merges: one token per character
+    tok.add_special_tokens(specials)
+    tok.decoder = tk.decoders.Fuse()
+    S.LoopedLM(
+        S.Config(**TINY | {"vocab_size": len(vocab), "eos_token_id": 0, "max_position_embeddings": 512}), seed=0
+    ).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    side = {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|endoftext|>"}, "add_bos_token": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(side | ({"chat_template": template} if template else {})))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
+
+
+def test_chat_prompt_is_the_template_rendered_by_jinja2(tmp_path):
+    """The chat prompt is the checkpoint's template rendered by jinja2 directly as HF renders it (trim and
+    lstrip blocks, the special tokens as variables); --thinking opens '<think>' when the template ignores
+    enable_thinking, and leaves a template that honours it alone. Its ids put ChatML's specials at 0/1/2."""
+    jinja2 = pytest.importorskip("jinja2")
+    honours = CHATML + "{% if enable_thinking %}<think>\n{% endif %}"
+    for template, thinking in [(CHATML, False), (CHATML, True), (honours, True)]:
+        tok = S.HFTokenizer(_chat_checkpoint(tmp_path / "m", template) / "tokenizer.json")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        kw = dict(messages=[{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True)
+        direct = env.from_string(template).render(**kw, bos_token="<|endoftext|>", enable_thinking=thinking)
+        opened = "<think>\n" if thinking and template == CHATML else ""
+        assert S.chat_renderer(tok, thinking)("What is 2+3?") == direct + opened
+        assert direct.startswith("<|endoftext|><|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+        ids = tok.encode(direct)
+        assert ids[:2] == [0, 1] and ids.count(2) == 1 and tok.decode(ids[2:6]) == "user"
+
+
+def test_chat_rollout_stops_at_im_end(tmp_path, capsys):
+    """`rollout --prompt-format chat` renders each prompt with the template, stops every sequence at
+    <|im_end|> (id 2; not at the config's EOS, 0, under a generation config that names 2), and its records
+    carry the stop ids; `verify` accepts them."""
+    path = _chat_checkpoint(tmp_path / "m", generation_eos=2)
+    with torch.no_grad():  # uniform logits: every id is as likely, so the stop is the only thing that ends early
+        model = S.LoopedLM.from_pretrained(path)
+        model.lm_head.weight.zero_()
+        model.save_pretrained(path)
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}+3?"}) + "\n" for i in range(4)))
+    argv = ["rollout", "--model", str(path), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "400"]
+    assert S.main(argv + ["--prompt-format", "chat"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    tok = S.HFTokenizer(path / "tokenizer.json")
+    for i, rec in enumerate(recs):
+        assert rec["prompt_ids"] == tok.encode(S.chat_renderer(tok)(f"What is {i}+3?")) and rec["stop_ids"] == [2]
+        assert rec["completion_ids"][-1] == 2 and 2 not in rec["completion_ids"][:-1], rec["completion_ids"]
+    assert any(0 in rec["completion_ids"] for rec in recs)  # the config's EOS did not stop anything
+    assert _verify_tiny(capsys, path, out, "--atol", "1e-4")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "generation_eos,flags,expect",
+    [
+        (None, {}, (0,)),  # no generation config: config.json's eos_token_id
+        (None, {"prompt_format": "chat"}, (0, 2)),  # + <|im_end|> under chat
+        (2, {}, (2,)),  # generation_config.json's eos_token_id, an int
+        ([0, 2], {}, (0, 2)),  # ... or a list
+        ([2, 0], {"prompt_format": "chat"}, (2, 0)),  # each once, in order
+        (0, {"stop_ids": [5, 7]}, (5, 7)),  # --stop-ids win
+        (0, {"eos_id": 9}, (0, 9)),  # rollout's --eos-id adds one
+    ],
+)
+def test_stop_ids_from_generation_config(tmp_path, generation_eos, flags, expect):
+    """The stop ids are resolved once, where the checkpoint and its tokenizer load (`setup_prompts`):
+    --stop-ids, else generation_config.json's eos_token_id (int or list), else config.json's; plus
+    <|im_end|> under the chat format and rollout's --eos-id. The first one ends the warm start's answers."""
+    path = _chat_checkpoint(tmp_path / "m", generation_eos=generation_eos)
+    tok = S.HFTokenizer(path / "tokenizer.json")
+    args = S.RolloutFlags(model=str(path), **flags)
+    assert S.setup_prompts(tok, args, S.load_config(path / "config.json")) == expect
+    assert tok.stop_ids == expect and tok.eos_id == expect[0] and (tok.chat is not None) == ("prompt_format" in flags)
+
+
+def test_chat_format_needs_a_template(tmp_path, capsys):
+    """--prompt-format chat with no template (a checkpoint without one, or a tiny model's byte tokenizer) and
+    a generation config's stop id outside the vocabulary are one-line errors, exit 2, nothing written."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    bare, bad = (
+        _chat_checkpoint(tmp_path / "bare", template=None),
+        _chat_checkpoint(tmp_path / "bad", generation_eos=500),
+    )
+    for model, extra, needle in [
+        (["--model", str(bare)], ["--prompt-format", "chat"], "'chat_template'"),
+        (["--config", TINY_JSON], ["--prompt-format", "chat"], "byte tokenizer"),
+        (["--model", str(bad)], [], "generation_config.json 'eos_token_id': stop id 500"),
+    ]:
+        rc, err = _run(capsys, ["rollout", *model, "--prompts", str(prompts), "--out", str(out), *extra])
+        assert rc == 2 and not out.exists()
+        _one_line_error(err, needle)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 11. Bad input is a one-line error
 # ---------------------------------------------------------------------------------------------------
@@ -2543,6 +2671,11 @@ BAD_FLAGS = [
     ("train", "--steps", "0"),
     ("train", "--mu", "0"),
     ("train", "--group-size", "0"),
+    ("train", "--group-size", "1"),  # GRPO needs a group: one completion per prompt has advantage 0
+    ("demo", "--group-size", "1"),
+    ("train", "--stop-ids", "-1"),
+    ("rollout", "--stop-ids", "2", "-5"),
+    ("train", "--prompt-format", "chat"),  # the byte tokenizer of a tiny model has no chat template
     ("train", "--seed", "-1"),
     ("train", "--save-every", "0"),
     ("train", "--max-new-tokens", "0"),
