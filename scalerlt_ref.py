@@ -1694,17 +1694,13 @@ def _tokenizer(model_dir: str | None):
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
-    """question -> the prompt text of the checkpoint's own chat template (tokenizer_config.json's
-    "chat_template") as HF's `apply_chat_template` renders it: a sandboxed jinja2 environment with trim_blocks
-    and lstrip_blocks; the question as the one user turn, add_generation_prompt=True, the special tokens
-    (bos_token, eos_token, ...) as variables; enable_thinking=True under `thinking`, and where the template
-    ignores it (renders the same without it), the thinking block opened here: "<think>\\n"."""
+    """question -> its prompt in the checkpoint's chat template (tokenizer_config.json), rendered as HF's
+    `apply_chat_template` does (sandboxed jinja2, trim and lstrip blocks, one user turn, add_generation_prompt,
+    the special tokens); `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it."""
     template = tok.config.get("chat_template")
     if not isinstance(template, str):
-        raise ValueError(
-            "--prompt-format chat needs a chat template ('chat_template' in the checkpoint's tokenizer_config.json)"
-            + ("; the byte tokenizer of tiny models has none" if isinstance(tok, ByteTokenizer) else "")
-        )
+        what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
+        raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
     try:
         from jinja2.exceptions import TemplateError
         from jinja2.ext import loopcontrols
@@ -1718,9 +1714,7 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(x, ensure_ascii=ensure_ascii, **kw)
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
-    specials = {
-        k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k.endswith("_token")
-    }
+    specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
     try:
         compiled = env.from_string(template)
     except TemplateError as e:
@@ -2242,14 +2236,10 @@ class TrainConfig:
     subset: int | None = _flag(None, "use a seeded random subset of this many problems", within=(1, MAX_COUNT))
     steps: int = _flag(20, "GRPO steps", within=(1, 10**9))
     prompts_per_step: int = _flag(8, "prompts per step (global, all processes)", within=(1, MAX_COUNT))
-    group_size: int = _flag(
-        8, "completions per prompt (>= 2: advantages compare a prompt's completions)", within=(2, MAX_COUNT)
-    )
+    group_size: int = _flag(8, "completions per prompt (>= 2: GRPO compares them)", within=(2, MAX_COUNT))
     max_new_tokens: int = _flag(16, "completion length limit", within=(1, MAX_COUNT))
     stop_ids: list[int] | None = _flag(None, STOP_IDS_HELP + ", else the tokenizer's EOS)", within=(0, MAX_SEED))
-    prompt_format: str = _flag(
-        "qa", "qa: 'Q: {question}\\nA: '; chat: the checkpoint's chat template", choices=("qa", "chat")
-    )
+    prompt_format: str = _flag("qa", "qa: 'Q: {question}\\nA: '; chat: the chat template", choices=("qa", "chat"))
     thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     temperature: float = _flag(1.0, "sampling temperature", within=(0.0, 100.0))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
@@ -3945,11 +3935,7 @@ class RolloutFlags(ModelFlags):
     temperature: float = _flag(1.0, "sampling temperature (0: greedy)", within=(0.0, 100.0))
     eos_id: int | None = _flag(None, "one more stop id (added to --stop-ids or their default)", within=(0, MAX_SEED))
     stop_ids: list[int] | None = _flag(None, STOP_IDS_HELP + ")", within=(0, MAX_SEED))
-    prompt_format: str = _flag(
-        "raw",
-        "how a 'prompt' text is written: as given, or as the user turn of the checkpoint's chat template",
-        choices=("raw", "chat"),
-    )
+    prompt_format: str = _flag("raw", "a 'prompt' as given, or in the chat template", choices=("raw", "chat"))
     thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
     exit_policy: str = _flag(
