@@ -1715,6 +1715,7 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(x, ensure_ascii=ensure_ascii, **kw)
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
     specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
+    specials = {k: v for k, v in specials.items() if isinstance(v, str)}  # bos_token, eos_token, ... as HF passes
     try:
         compiled = env.from_string(template)
     except TemplateError as e:
@@ -2126,6 +2127,8 @@ def check_flags(flags) -> None:
         raise ValueError(
             "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic), got 'sampled'"
         )
+    if getattr(flags, "thinking", False) and flags.prompt_format != "chat":
+        raise ValueError("--thinking needs --prompt-format chat (it is the chat template's enable_thinking)")
     if getattr(flags, "resume", False) and not flags.out:
         raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
     if getattr(flags, "device", "cpu").startswith("cuda") and not torch.cuda.is_available():

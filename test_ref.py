@@ -2676,6 +2676,7 @@ BAD_FLAGS = [
     ("train", "--stop-ids", "-1"),
     ("rollout", "--stop-ids", "2", "-5"),
     ("train", "--prompt-format", "chat"),  # the byte tokenizer of a tiny model has no chat template
+    ("rollout", "--thinking"),  # only a chat template has a thinking switch
     ("train", "--seed", "-1"),
     ("train", "--save-every", "0"),
     ("train", "--max-new-tokens", "0"),
