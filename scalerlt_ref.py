@@ -1206,6 +1206,7 @@ _HF_IGNORED_KEYS = set(
 _HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json leaves out
     vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
     max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, total_ut_steps=4, tie_word_embeddings=False,
+    early_exit_threshold=1.0,  # NOTE: an explicit null stays None: no threshold, every position exits at R
 )  # fmt: skip
 
 
@@ -1327,9 +1328,6 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
         kw.setdefault(key, value)
     if kw.get("num_key_value_heads") is None:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
-    # NOTE: no threshold (absent or null) stays None: HF then reads out the last loop, always. (Until issue
-    # 11 this became 1.0, which exits wherever a float32 CDF rounds to 1: a different policy.)
-    kw.setdefault("early_exit_threshold", None)
     if kw.get("head_dim") is None:
         kw.pop("head_dim", None)
     if isinstance(kw.get("eos_token_id"), list):  # HF allows a list; the first one ends sequences
@@ -1605,10 +1603,11 @@ Config.from_json = staticmethod(load_config)
 
 
 class ByteTokenizer:
-    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259)."""
+    """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259); no chat template."""
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
+    stop_ids, chat, config = (257,), None, {}  # as `setup_prompts` sets them on a checkpoint's tokenizer
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -1632,8 +1631,15 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 -- the tokenizers package raises its own types
             raise ValueError(f"{path}: cannot read the tokenizer ({(str(e) or repr(e)).splitlines()[0]})") from None
-        self.eos_id = eos_id
+        self.eos_id, self.stop_ids, self.chat = eos_id, () if eos_id is None else (eos_id,), None
         self.vocab_size = self._tok.get_vocab_size()
+        side = path.with_name("tokenizer_config.json")  # the chat template and the special tokens, when present
+        self.config = _load_json_limited(_read_text(side, "tokenizer config"), side) if side.exists() else {}
+        if not isinstance(self.config, dict):
+            raise ValueError(f"{side}: must be a JSON object")
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -1642,17 +1648,84 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
+def _tokenizer(model_dir: str | None):
+    """A checkpoint's own tokenizer.json, else (tiny models) bytes."""
+    path = Path(model_dir or ".") / "tokenizer.json"
+    return HFTokenizer(path) if model_dir and path.exists() else ByteTokenizer()
+
+
+def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
+    """question -> its prompt in the checkpoint's chat template (tokenizer_config.json), rendered as HF's
+    `apply_chat_template` does (sandboxed jinja2, trim and lstrip blocks, one user turn, add_generation_prompt,
+    the special tokens); `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it."""
+    template = tok.config.get("chat_template")
+    if not isinstance(template, str):
+        what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
+        raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ImportError("--prompt-format chat needs the optional package jinja2: pip install jinja2") from None
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(x, ensure_ascii=ensure_ascii, **kw)
+    env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
+    specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
+    specials = {k: v for k, v in specials.items() if isinstance(v, str)}  # bos_token, eos_token, ... as HF passes
+    try:
+        compiled = env.from_string(template)
+    except TemplateError as e:
+        raise ValueError(f"the checkpoint's chat template: {e}") from None
+
+    def render(question: str) -> str:
+        kw = dict(messages=[{"role": "user", "content": question}], tools=None, documents=None, **specials)
+        text = compiled.render(add_generation_prompt=True, **kw, **({"enable_thinking": True} if thinking else {}))
+        if thinking and text == compiled.render(add_generation_prompt=True, **kw) and not text.endswith("<think>\n"):
+            text += "<think>\n"  # NOTE: the template ignores enable_thinking (as Ouro-1.4B-Thinking's is reported to)
+        return text
+
+    return render
+
+
+def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
+    """Resolved once, where a model and its tokenizer are loaded: how prompts are written (`tok.chat`, under
+    --prompt-format chat) and which ids stop a sequence (`tok.stop_ids`; the first, `tok.eos_id`, ends the
+    warm start's gold answers): --stop-ids, else the checkpoint's generation_config.json eos_token_id (an int
+    or a list), else config.json's, else `fallback`; plus <|im_end|> under chat and rollout's --eos-id."""
+    chat = flags.prompt_format == "chat"
+    tok.chat = chat_renderer(tok, flags.thinking) if chat else None
+    gen = Path(flags.model or ".") / "generation_config.json"
+    eos = _load_json_limited(_read_text(gen, "generation config"), gen) if flags.model and gen.exists() else {}
+    eos = eos.get("eos_token_id") if isinstance(eos, dict) else None
+    default = cfg.eos_token_id if cfg.eos_token_id is not None else fallback
+    eos = eos if isinstance(eos, list) else [default if eos is None else eos]
+    ids = [*(flags.stop_ids or eos), tok.token_id("<|im_end|>") if chat else None, getattr(flags, "eos_id", None)]
+    ids = tuple(dict.fromkeys(x for x in ids if x is not None))  # in order, once each
+    bad = [x for x in ids if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < cfg.vocab_size)]
+    if bad:
+        where = "--stop-ids" if flags.stop_ids else f"{gen} 'eos_token_id'"
+        raise ValueError(f"{where}: stop id {bad[0]!r} is not an id in the vocabulary 0..{cfg.vocab_size - 1}")
+    tok.stop_ids, tok.eos_id = ids, ids[0] if ids else None
+    return ids
+
+
 # --- Data and rewards -------------------------------------------------------------------------------
 
-_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?|-?\$?\.\d+"
+# A number as written: "$" and thousands separators allowed (a comma only before a group of three digits:
+# "4,5" is two numbers), a decimal part; or \frac{a}{b} (\dfrac, \tfrac). A "%" after it is not read ("25%" is 25).
+_NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\$?\.\d+"
 
 
 def _to_number(s: str) -> float | None:
-    s = s.replace(",", "").replace("$", "").rstrip(".")
-    try:
-        return float(s)
-    except ValueError:
-        return None
+    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", s)
+    if frac:
+        return (-1 if frac[1] else 1) * int(frac[2]) / int(frac[3]) if int(frac[3]) else None
+    return float(s.replace(",", "").replace("$", ""))
 
 
 def gsm8k_answer(text: str) -> float | None:
@@ -1661,23 +1734,40 @@ def gsm8k_answer(text: str) -> float | None:
     return _to_number(found[-1]) if found else None
 
 
-def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
-    """1.0 if the completion's answer equals the reference's, else 0.0.
+def extract_answer(text: str, lenient: bool = False) -> float | None:
+    """A completion's final answer as a number, or None. The rules, in order (README, Contract §7):
+    1. only the text after the last '</think>' counts; a '<think>' never closed has no answer;
+    2. the last '\\boxed{...}' (nested braces allowed): the last number inside it;
+    3. else the number after the last '####'; 4. else after the last 'answer is';
+    5. else, lenient only, the last number of the text."""
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:
+        return None
+    start, depth = text.rfind("\\boxed{"), 0
+    for j in range(start + 6, len(text)) if start >= 0 else ():
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:  # the brace that closes the box
+            inside = re.findall(_NUMBER, text[start + 7 : j])
+            return _to_number(inside[-1]) if inside else None
+    markers = (r"####\s*", r"(?i:answer is)\s*:?\s*", "" if lenient else None)  # None: no rule 5 in strict
+    for found in (re.findall(m + f"({_NUMBER})", text) for m in markers if m is not None):
+        if found:
+            return _to_number(found[-1])
+    return None
 
-    strict: the completion's last '#### number'; lenient: its last number of any kind. The reference
-    is a GSM8K answer ('... #### 18') or a bare number. Compared as numbers after removing ',' and '$',
-    so '18.00' equals '18' and '$1,000' equals '1000'.
-    """
-    gold = gsm8k_answer(reference) if "####" in reference else _to_number(reference.strip())
+
+def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
+    """1.0 if the completion's answer (`extract_answer`; "lenient" adds its last number as a fallback) equals
+    the reference's, else 0.0. The reference is a GSM8K answer ('... #### 18') or a bare number. Compared
+    as numbers: '18.00' equals '18', '$1,000' equals '1000'."""
+    nums = re.findall(_NUMBER, reference)
+    gold = gsm8k_answer(reference) if "####" in reference else _to_number(nums[-1]) if nums else None
     if gold is None:
         raise ValueError(f"reference has no number: {reference[-60:]!r}")
-    if mode == "strict":
-        got = gsm8k_answer(completion)
-    elif mode == "lenient":
-        nums = re.findall(_NUMBER, completion)
-        got = _to_number(nums[-1]) if nums else None
-    else:
+    if mode not in ("strict", "lenient"):
         raise ValueError(f"mode must be 'strict' or 'lenient', got {mode!r}")
+    got = extract_answer(completion, lenient=mode == "lenient")
     return float(got is not None and abs(got - gold) < 1e-9 * max(1.0, abs(gold)))
 
 
@@ -1784,8 +1874,10 @@ def format_prompt(question: str) -> str:
 
 
 def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids, gold completion ids ending in EOS) of a problem."""
-    return tok.encode(format_prompt(problem["question"])), tok.encode(problem["answer"]) + [tok.eos_id]
+    """(prompt ids, gold completion ids ending in the first stop id) of a problem; the prompt is `format_prompt`'s,
+    or the chat template's under --prompt-format chat (`setup_prompts`)."""
+    prompt = tok.chat(problem["question"]) if tok.chat else format_prompt(problem["question"])
+    return tok.encode(prompt), tok.encode(problem["answer"]) + [tok.eos_id]
 
 
 # --- Warm start and evaluation ----------------------------------------------------------------------
@@ -1908,7 +2000,7 @@ def evaluate(
         ro = rollout(
             model,
             [encode_problem(tok, p)[0] for p in chunk],
-            dataclasses.replace(policy, temperature=0.0, stop_ids=(tok.eos_id,)),
+            dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids),
             max_new_tokens=max_new_tokens,
             seed=seed,
             sequence_ids=list(range(i, i + len(chunk))),
@@ -1945,6 +2037,7 @@ MAX_BENCH_BATCH = 4096  # the bench draws this many prompts at most
 DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
+STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
 # NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a
 # temperature, learning rate, KL or loop-cost weight that large overflows (or flattens) everything after
@@ -1971,8 +2064,8 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
         kw = {k: m[k] for k in ("help", "choices", "required") if k in m}
         if kind == "bool":
             kw["action"] = "store_true"
-        elif kind in ("int", "float"):
-            kw["type"] = {"int": int, "float": float}[kind]
+        elif kind in ("int", "float", "list[int]"):
+            kw.update(type=float if kind == "float" else int, nargs="+" if kind == "list[int]" else None)
         if "exclusive" in m and group is None:
             group = parser.add_mutually_exclusive_group(required=m["exclusive"] == "required")
         (group if "exclusive" in m else parser).add_argument("--" + f.name.replace("_", "-"), default=f.default, **kw)
@@ -1985,11 +2078,11 @@ def _check_flag(f: dataclasses.Field, v) -> str | None:
         return None if v in m["choices"] else f"one of {', '.join(m['choices'])}"
     if "pattern" in m:
         return None if isinstance(v, str) and re.fullmatch(m["pattern"], v) else m["help"]
-    if kind == "int":
+    if kind in ("int", "list[int]"):
         lo, hi = m["within"]
-        return (
-            None if isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi else f"an integer in {lo}..{hi:,}"
-        )
+        items = v if kind == "list[int]" and isinstance(v, list) and v else [v]  # a list: each of its items
+        ok = all(isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi for x in items)
+        return None if ok else f"{'integers' if kind == 'list[int]' else 'an integer'} in {lo}..{hi:,}"
     if kind == "float":
         lo, hi, ends = (*m["within"], "[]")[:3]
         if _is_finite_number(v) and (lo < v if ends[0] == "(" else lo <= v) and (v < hi if ends[1] == ")" else v <= hi):
@@ -2022,6 +2115,8 @@ def check_flags(flags) -> None:
         raise ValueError(
             "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic), got 'sampled'"
         )
+    if getattr(flags, "thinking", False) and flags.prompt_format != "chat":
+        raise ValueError("--thinking needs --prompt-format chat (it is the chat template's enable_thinking)")
     if getattr(flags, "resume", False) and not flags.out:
         raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
     if getattr(flags, "device", "cpu").startswith("cuda") and not torch.cuda.is_available():
@@ -2134,8 +2229,11 @@ class TrainConfig:
     subset: int | None = _flag(None, "use a seeded random subset of this many problems", within=(1, MAX_COUNT))
     steps: int = _flag(20, "GRPO steps", within=(1, 10**9))
     prompts_per_step: int = _flag(8, "prompts per step (global, all processes)", within=(1, MAX_COUNT))
-    group_size: int = _flag(8, "completions per prompt", within=(1, MAX_COUNT))
+    group_size: int = _flag(8, "completions per prompt (>= 2: GRPO compares them)", within=(2, MAX_COUNT))
     max_new_tokens: int = _flag(16, "completion length limit", within=(1, MAX_COUNT))
+    stop_ids: list[int] | None = _flag(None, STOP_IDS_HELP + ", else the tokenizer's EOS)", within=(0, MAX_SEED))
+    prompt_format: str = _flag("qa", "qa: 'Q: {question}\\nA: '; chat: the chat template", choices=("qa", "chat"))
+    thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     temperature: float = _flag(1.0, "sampling temperature", within=(0.0, 100.0))
     top_k: int = _flag(0, TOP_K_HELP, within=(0, MAX_COUNT))
     top_p: float = _flag(1.0, TOP_P_HELP, within=(0.0, 1.0, "(]"))
@@ -2212,7 +2310,7 @@ def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
         rec["logprobs"] = [float(x) for x in logprobs[b, : len(c)]]
         if ro.policy.exit_policy == "sampled":
             rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
-        records.append(rec | sampling)
+        records.append(rec | sampling | {"stop_ids": list(ro.policy.stop_ids)})
     return records
 
 
@@ -2250,7 +2348,7 @@ def _train_step(
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
-    policy = cfg.policy((tok.eos_id,))
+    policy = cfg.policy(tok.stop_ids)
     ro = rollout(
         model,
         [encode_problem(tok, p)[0] for p in batch],
@@ -2290,13 +2388,11 @@ def _load_policy(cfg: TrainConfig, device: torch.device):
     model stays float32 on the CPU for its warm start and is cast afterwards."""
     if cfg.model:
         model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
-        tok_path = Path(cfg.model) / "tokenizer.json"
-        tok = HFTokenizer(tok_path, model.config.eos_token_id) if tok_path.exists() else ByteTokenizer()
     else:
         model = LoopedLM(load_config(cfg.config), seed=cfg.seed)
-        tok = ByteTokenizer()
-    if tok.eos_id is None:
-        raise ValueError("the tokenizer has no EOS id (set eos_token_id in config.json)")
+    tok = _tokenizer(cfg.model)
+    if not setup_prompts(tok, cfg, model.config, fallback=tok.eos_id):
+        raise ValueError("no stop ids: give --stop-ids, or set eos_token_id in the checkpoint's config.json")
     return model, tok
 
 
@@ -2642,8 +2738,10 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
                 f"{where}: lengths disagree: {n} completion_ids, {len(d['exit_loops'])} exit_loops, "
                 f"{len(d['logprobs'])} logprobs"
             )
-        for key in ("prompt_ids", "completion_ids"):
-            bad = [x for x in d[key] if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
+        if not isinstance(d.get("stop_ids", []), list):  # optional: the ids that ended a sequence in the engine
+            raise ValueError(f"{where}: key 'stop_ids' must be a list, got {type(d['stop_ids']).__name__}")
+        for key in ("prompt_ids", "completion_ids", "stop_ids"):
+            bad = [x for x in d.get(key, []) if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
             if bad:
                 raise ValueError(f"{where}: {key} has id {bad[0]!r} outside the vocabulary 0..{V - 1}")
         bad = [x for x in d["exit_loops"] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= R]
@@ -2870,9 +2968,10 @@ class Failures:
     exit_logprobs: list[int]  # the same for log p(exit = e) (sampled exits)
     violations: list[dict]  # exit-rule disagreements beyond the flip margin: wrong depths
     greedy: list[int]  # greedy tokens more than 2 * atol below the reference's best log-prob
+    after_stop: list[int]  # tokens generated after a stop id (the record's "stop_ids"): the engine did not stop
 
     def __bool__(self) -> bool:
-        return bool(self.logprobs or self.exit_logprobs or self.violations or self.greedy)
+        return bool(self.logprobs or self.exit_logprobs or self.violations or self.greedy or self.after_stop)
 
 
 @dataclass
@@ -2888,6 +2987,7 @@ class VerifyResult:
     greedy_gap: torch.Tensor | None = None  # best log-prob - the token's (temperature 0), else None
     exit_logprobs: torch.Tensor | None = None  # the reference's log p(exit = e) (sampled exits), else None
     exit_delta: torch.Tensor | None = None  # recorded - reference exit log-probs (sampled exits), else None
+    after_stop: list[int] = field(default_factory=list)  # tokens after a stop id (the record's "stop_ids")
 
     @property
     def diff(self) -> torch.Tensor:
@@ -2912,6 +3012,7 @@ class VerifyResult:
             greedy_gap=None if sampled else policy,
             exit_logprobs=exit_lp if sampled_exits else None,
             exit_delta=torch.tensor(rec["exit_logprobs"], dtype=torch.float64) - exit_lp if sampled_exits else None,
+            after_stop=[k for k, x in enumerate(rec["completion_ids"][:-1], 1) if x in rec.get("stop_ids", ())],
         )
 
     def failures(self, atol: float, flip_margin: float) -> Failures:
@@ -2926,6 +3027,7 @@ class VerifyResult:
             violations=[v for v in self.violations if v["margin"] is None or not abs(v["margin"]) <= flip_margin],
             # An engine whose log-probs are within atol picks a token at most 2 * atol below the argmax.
             greedy=over(self.greedy_gap, 2 * atol),
+            after_stop=self.after_stop,
         )
 
 
@@ -3162,6 +3264,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         "sampler_p_value": p_value,
         "greedy_tokens": sum(r.greedy_gap.numel() for r in results if r.greedy_gap is not None),
         "greedy_mismatches": sum(len(f.greedy) for f in fails),
+        "tokens_after_stop": sum(len(f.after_stop) for f in fails),
         "exit_logprob_tokens": sum(d.numel() for d in exit_diffs),
         "max_abs_exit_diff": max([0.0] + exit_maxima) if exit_maxima else None,
         "mismatched_exit_logprobs": sum(len(f.exit_logprobs) for f in fails),
@@ -3175,6 +3278,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         and s["mismatched_exit_logprobs"] == 0
         and s["exit_rule_violations"] == 0
         and s["greedy_mismatches"] == 0
+        and s["tokens_after_stop"] == 0
         and not (p_value is not None and p_value < opts.sampler_alpha)
     )
     return s
@@ -3210,6 +3314,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
         for k in f.greedy[:3]:
             gap = float(res.greedy_gap[k])
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
+        for k in f.after_stop[:1]:
+            print(f"      token {k}: generated after stop id {rec['completion_ids'][k - 1]} (token {k - 1})")
 
 
 def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], summary: dict, R: int) -> None:
@@ -3326,11 +3432,11 @@ def cmd_verify(args) -> int:
     return 0 if passed else 1
 
 
-def read_prompts(flags, cfg: Config) -> list[list[int]]:
+def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
     """The prompts of `rollout --prompts`, as ids: {"prompt_ids": [...]} or {"prompt": "text"} per line (text
-    through the checkpoint's tokenizer.json, else bytes; "prompt_ids" wins where both are given). Every
-    problem is a ValueError naming the file and line."""
-    tok, prompts, V, limit = None, [], cfg.vocab_size, cfg.max_position_embeddings
+    through `tok`, the checkpoint's tokenizer.json or bytes, and its chat template under --prompt-format chat;
+    "prompt_ids" wins where both are given). Every problem is a ValueError naming the file and line."""
+    prompts, V, limit = [], cfg.vocab_size, cfg.max_position_embeddings
     for lineno, d in read_jsonl(flags.prompts):
         where = f"{flags.prompts}:{lineno}"
         for key, kind in (("prompt_ids", list), ("prompt", str)):
@@ -3339,10 +3445,8 @@ def read_prompts(flags, cfg: Config) -> list[list[int]]:
         if "prompt_ids" not in d and "prompt" not in d:
             raise ValueError(f"{where}: needs 'prompt_ids' (list of ids) or 'prompt' (text)")
         key = "prompt_ids" if "prompt_ids" in d else "prompt"
-        if key == "prompt" and tok is None:
-            tok_path = Path(flags.model or ".") / "tokenizer.json"
-            tok = HFTokenizer(tok_path) if flags.model and tok_path.exists() else ByteTokenizer()
-        ids = d[key] if key == "prompt_ids" else tok.encode(_check_text(d[key], where, key))
+        text = "" if key == "prompt_ids" else _check_text(d[key], where, key)
+        ids = d[key] if key == "prompt_ids" else tok.encode(tok.chat(text) if tok.chat else text)
         bad = [x for x in ids if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
         if bad or not ids:
             raise ValueError(
@@ -3365,7 +3469,9 @@ def cmd_rollout(args) -> int:
     model = _load_model_arg(args, DTYPES[args.dtype])
     if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
         raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
-    prompts = read_prompts(args, model.config)
+    tok = _tokenizer(args.model)
+    stop_ids = setup_prompts(tok, args, model.config)
+    prompts = read_prompts(args, model.config, tok)
     policy = Policy(
         mode=args.mode,
         numerics=args.numerics,
@@ -3377,9 +3483,7 @@ def cmd_rollout(args) -> int:
         kv=args.kv,
         top_k=args.top_k,
         top_p=args.top_p,
-        stop_ids=tuple(
-            x for x in (args.eos_id if args.eos_id is not None else model.config.eos_token_id,) if x is not None
-        ),
+        stop_ids=stop_ids,
     )
     ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
     bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
@@ -3873,7 +3977,10 @@ class RolloutFlags(ModelFlags):
         "log-probs to write: processed (of the distribution sampled) or raw (vLLM's default)",
         choices=LOGPROB_MODES,
     )
-    eos_id: int | None = _flag(None, "end-of-sequence id (default: the config's)", within=(0, MAX_SEED))
+    eos_id: int | None = _flag(None, "one more stop id (added to --stop-ids or their default)", within=(0, MAX_SEED))
+    stop_ids: list[int] | None = _flag(None, STOP_IDS_HELP + ")", within=(0, MAX_SEED))
+    prompt_format: str = _flag("raw", "a 'prompt' as given, or in the chat template", choices=("raw", "chat"))
+    thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
     exit_policy: str = _flag(
         "threshold",
@@ -3985,6 +4092,7 @@ DEMO_PRESET = {
     "lr": (5e-4, "GRPO learning rate"),
     "mu": (1, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
+    "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
     "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1

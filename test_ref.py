@@ -827,11 +827,12 @@ def test_hf_rollout_exits_follow_the_hf_rule(case, mode, dtype):
 
 
 def test_no_threshold_means_exit_at_R(tmp_path):
-    """A config without a threshold always reads out loop R (as HF does): in HF config.json files (absent
-    key: None, no longer 1.0) and tiny configs (null); rollouts under either rule exit at R."""
+    """An HF config.json without the key reads 1.0, as the official OuroConfig class does (issue 19); a null
+    threshold (HF or tiny config) always reads out loop R: rollouts under either rule exit at R."""
     hf = {"model_type": "ouro", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1}
     hf |= {"num_attention_heads": 2, "num_key_value_heads": 1, "total_ut_steps": 3, "max_position_embeddings": 64}
-    cfg = S.Config.from_dict(hf)
+    assert S.Config.from_dict(hf).early_exit_threshold == 1.0
+    cfg = S.Config.from_dict(hf | {"early_exit_threshold": None})
     assert cfg.early_exit_threshold is None
     assert S.Config.from_dict(S.config_to_hf(cfg)).early_exit_threshold is None  # null round-trips
     assert S.Config.from_dict(TINY | {"early_exit_threshold": None}).early_exit_threshold is None
@@ -1711,7 +1712,8 @@ def test_scorers_on_real_gsm8k_lines():
         gold = S.gsm8k_answer(d["answer"])
         assert S.gsm8k_score(d["answer"], d["answer"], "strict") == 1.0
         assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "lenient") == 1.0
-        assert S.gsm8k_score(f"so the answer is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"so it is {gold:g}", d["answer"], "strict") == 0.0
+        assert S.gsm8k_score(f"so it is {gold:g}", d["answer"], "lenient") == 1.0
         assert S.gsm8k_score(f"#### {gold + 1:g}", d["answer"], "strict") == 0.0
 
 
@@ -1722,6 +1724,45 @@ def test_scorer_number_normalisation():
     assert S.gsm8k_score("#### 3 then #### 4", "#### 4") == 1.0
     assert S.gsm8k_score("#### 4 then #### 3", "#### 4") == 0.0
     assert S.gsm8k_score("it is 7 or 8", "8", "lenient") == 1.0
+
+
+# (completion, strict answer, lenient answer): the extractor's rules, in the order README §7 gives them
+ANSWERS = [
+    ("#### 72", 72, 72),  # GSM8K's own format
+    ("\\boxed{72}", 72, 72),  # a thinking model's, no '####': 0 before issue 19
+    ("<think>2+2=4</think>So \\boxed{72}.", 72, 72),
+    ("<think>#### 5</think> The answer is 6.", 6, 6),  # only the text after the last </think> counts
+    ("<think>#### 5 and still thinking", None, None),  # a think block never closed: no answer
+    ("<think>a</think><think>b</think> #### 9", 9, 9),  # the last </think>
+    ("\\boxed{\\frac{3}{4}}", 0.75, 0.75),  # nested braces
+    ("\\boxed{-\\dfrac{1}{2}}", -0.5, -0.5),
+    ("\\boxed{1} then \\boxed{2}", 2, 2),  # the last box
+    ("\\boxed{\\text{{about}} 12}", 12, 12),
+    ("\\boxed{25\\%}", 25, 25),  # a simple percentage reads as its number
+    ("\\boxed{\\$1,250.50}", 1250.5, 1250.5),
+    ("#### 3 then \\boxed{4}", 4, 4),  # a box beats '####'
+    ("The answer is 18. Check: 2+2=4", 18, 18),  # 'answer is' beats the last number
+    ("the final Answer is: -7", -7, -7),
+    ("answer is 3, so #### 4", 4, 4),  # '####' beats 'answer is'
+    ("it is 7 or 8", None, 8),  # the last number: lenient only
+    ("we get 4,5 then", None, 5),  # a comma not before three digits separates numbers
+    ("#### 1,234,567", 1234567, 1234567),  # thousands separators
+    ("#### 12,34", 12, 12),
+    ("#### -0.5", -0.5, -0.5),  # negative and decimal numbers
+    ("#### .5", 0.5, 0.5),
+    ("costs $18.00.", None, 18),
+    ("50% of them", None, 50),
+    ("no number here", None, None),
+]
+
+
+@pytest.mark.parametrize("text,strict,lenient", ANSWERS)
+def test_answer_extractor_table(text, strict, lenient):
+    """Each rule of the answer extractor on a case that only it decides (think blocks, boxes with nested
+    braces, '####', 'answer is', the lenient last number, separators, fractions, signs and decimals)."""
+    assert S.extract_answer(text) == strict and S.extract_answer(text, lenient=True) == lenient
+    if strict is not None:  # and the scorer compares the extracted number with the reference's
+        assert S.gsm8k_score(text, f"#### {strict}") == 1.0 and S.gsm8k_score(text, str(strict + 1)) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2290,6 +2331,21 @@ def test_sampler_test_flags_a_sampling_mismatch(tmp_path, capsys, drawn, declare
     assert rc == 0 and s["sampler_p_value"] >= 1e-3, s
 
 
+def test_verify_fails_a_completion_that_continues_after_a_stop_id(tmp_path, capsys):
+    """A record whose engine sampled one of its "stop_ids" and went on is a failure (exit 1) naming the token;
+    the same stop as its last token passes."""
+    recs = [json.loads(x) for x in _records(tmp_path, "exact").read_text().splitlines()]
+    rec = next(r for r in recs if len(r["completion_ids"]) >= 3)
+    ok = _write_records(tmp_path / "ok.jsonl", [rec | {"stop_ids": [rec["completion_ids"][-1]]}])
+    assert _verify(ok, capsys)[0] == 0
+    bad = _write_records(tmp_path / "bad.jsonl", [rec | {"stop_ids": [rec["completion_ids"][1]]}])
+    capsys.readouterr()
+    rc = S.main(["verify", "--config", TINY_JSON, "--rollouts", str(bad), "--atol", "1e-4"])
+    out = capsys.readouterr().out
+    assert rc == 1 and json.loads(out.splitlines()[-1])["tokens_after_stop"] >= 1
+    assert f"token 2: generated after stop id {rec['completion_ids'][1]} (token 1)" in out
+
+
 def test_verify_fails_when_the_model_computes_nan(tmp_path, capsys, monkeypatch):
     """Non-finite reference log-probs that come from the model are a failure (exit 1), never agreement."""
     model = S.LoopedLM(S.Config(**TINY)).double()
@@ -2552,6 +2608,119 @@ def test_bench_model_on_a_checkpoint(tmp_path, capsys):
     assert "bf16 / fp32" not in out  # float32 only: nothing to compare
 
 
+# --- a real chat checkpoint: its template, its stop ids ----------------------------------------------
+
+# ChatML, ignoring enable_thinking (as the Ouro-RL codebase reports Ouro-1.4B-Thinking's does)
+CHATML = (  # its indents and line breaks vanish only under trim_blocks and lstrip_blocks, as HF renders
+    "{{ bos_token }}{% for m in messages %}\n  {% set role = m['role'] %}\n"
+    "{{ '<|im_start|>' + role + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}\n"
+    "{% if add_generation_prompt %}\n{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _chat_checkpoint(path: Path, template: str | None = CHATML, generation_eos=None) -> Path:
+    """A tiny checkpoint with its own tokenizer, built here with the `tokenizers` library (no download):
+    ChatML's special tokens at ids 0/1/2 (<|endoftext|>, <|im_start|>, <|im_end|>), one token per printable
+    character; `template` as tokenizer_config.json's chat_template; generation_config.json's eos_token_id."""
+    tk = pytest.importorskip("tokenizers")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["[UNK]", "\n"] + [chr(c) for c in range(32, 127)])}
+    tok = tk.Tokenizer(tk.models.BPE(vocab, [], unk_token="[UNK]"))  # no merges: one token per character
+    tok.add_special_tokens(specials)
+    tok.decoder = tk.decoders.Fuse()
+    S.LoopedLM(
+        S.Config(**TINY | {"vocab_size": len(vocab), "eos_token_id": 0, "max_position_embeddings": 512}), seed=0
+    ).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    side = {"bos_token": "<|endoftext|>", "eos_token": {"content": "<|endoftext|>"}, "add_bos_token": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(side | ({"chat_template": template} if template else {})))
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
+
+
+def test_chat_prompt_is_the_template_rendered_by_jinja2(tmp_path):
+    """The chat prompt is the checkpoint's template rendered by jinja2 directly as HF renders it (trim and
+    lstrip blocks, the special tokens as variables); --thinking opens '<think>' when the template ignores
+    enable_thinking, and leaves a template that honours it alone. Its ids put ChatML's specials at 0/1/2."""
+    jinja2 = pytest.importorskip("jinja2")
+    honours = CHATML + "{% if enable_thinking %}<think>\n{% endif %}"
+    for template, thinking in [(CHATML, False), (CHATML, True), (honours, True)]:
+        tok = S.HFTokenizer(_chat_checkpoint(tmp_path / "m", template) / "tokenizer.json")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        kw = dict(messages=[{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True)
+        direct = env.from_string(template).render(**kw, bos_token="<|endoftext|>", enable_thinking=thinking)
+        opened = "<think>\n" if thinking and template == CHATML else ""
+        assert S.chat_renderer(tok, thinking)("What is 2+3?") == direct + opened
+        assert direct.startswith("<|endoftext|><|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+        ids = tok.encode(direct)
+        assert ids[:2] == [0, 1] and ids.count(2) == 1 and tok.decode(ids[2:6]) == "user"
+
+
+def test_chat_rollout_stops_at_im_end(tmp_path, capsys):
+    """`rollout --prompt-format chat` renders each prompt with the template, stops every sequence at
+    <|im_end|> (id 2; not at the config's EOS, 0, under a generation config that names 2), and its records
+    carry the stop ids; `verify` accepts them."""
+    path = _chat_checkpoint(tmp_path / "m", generation_eos=2)
+    with torch.no_grad():  # uniform logits: every id is as likely, so the stop is the only thing that ends early
+        model = S.LoopedLM.from_pretrained(path)
+        model.lm_head.weight.zero_()
+        model.save_pretrained(path)
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {i}+3?"}) + "\n" for i in range(4)))
+    argv = ["rollout", "--model", str(path), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "400"]
+    assert S.main(argv + ["--prompt-format", "chat"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    tok = S.HFTokenizer(path / "tokenizer.json")
+    for i, rec in enumerate(recs):
+        assert rec["prompt_ids"] == tok.encode(S.chat_renderer(tok)(f"What is {i}+3?")) and rec["stop_ids"] == [2]
+        assert rec["completion_ids"][-1] == 2 and 2 not in rec["completion_ids"][:-1], rec["completion_ids"]
+    assert any(0 in rec["completion_ids"] for rec in recs)  # the config's EOS did not stop anything
+    assert _verify_tiny(capsys, path, out, "--atol", "1e-4")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "generation_eos,flags,expect",
+    [
+        (None, {}, (0,)),  # no generation config: config.json's eos_token_id
+        (None, {"prompt_format": "chat"}, (0, 2)),  # + <|im_end|> under chat
+        (2, {}, (2,)),  # generation_config.json's eos_token_id, an int
+        ([0, 2], {}, (0, 2)),  # ... or a list
+        ([2, 0], {"prompt_format": "chat"}, (2, 0)),  # each once, in order
+        (0, {"stop_ids": [5, 7]}, (5, 7)),  # --stop-ids win
+        (0, {"eos_id": 9}, (0, 9)),  # rollout's --eos-id adds one
+    ],
+)
+def test_stop_ids_from_generation_config(tmp_path, generation_eos, flags, expect):
+    """The stop ids are resolved once, where the checkpoint and its tokenizer load (`setup_prompts`):
+    --stop-ids, else generation_config.json's eos_token_id (int or list), else config.json's; plus
+    <|im_end|> under the chat format and rollout's --eos-id. The first one ends the warm start's answers."""
+    path = _chat_checkpoint(tmp_path / "m", generation_eos=generation_eos)
+    tok = S.HFTokenizer(path / "tokenizer.json")
+    args = S.RolloutFlags(model=str(path), **flags)
+    assert S.setup_prompts(tok, args, S.load_config(path / "config.json")) == expect
+    assert tok.stop_ids == expect and tok.eos_id == expect[0] and (tok.chat is not None) == ("prompt_format" in flags)
+
+
+def test_chat_format_needs_a_template(tmp_path, capsys):
+    """--prompt-format chat with no template (a checkpoint without one, or a tiny model's byte tokenizer) and
+    a generation config's stop id outside the vocabulary are one-line errors, exit 2, nothing written."""
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    bare, bad = (
+        _chat_checkpoint(tmp_path / "bare", template=None),
+        _chat_checkpoint(tmp_path / "bad", generation_eos=500),
+    )
+    for model, extra, needle in [
+        (["--model", str(bare)], ["--prompt-format", "chat"], "'chat_template'"),
+        (["--config", TINY_JSON], ["--prompt-format", "chat"], "byte tokenizer"),
+        (["--model", str(bad)], [], "generation_config.json 'eos_token_id': stop id 500"),
+    ]:
+        rc, err = _run(capsys, ["rollout", *model, "--prompts", str(prompts), "--out", str(out), *extra])
+        assert rc == 2 and not out.exists()
+        _one_line_error(err, needle)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 11. Bad input is a one-line error
 # ---------------------------------------------------------------------------------------------------
@@ -2584,6 +2753,12 @@ BAD_FLAGS = [
     ("train", "--steps", "0"),
     ("train", "--mu", "0"),
     ("train", "--group-size", "0"),
+    ("train", "--group-size", "1"),  # GRPO needs a group: one completion per prompt has advantage 0
+    ("demo", "--group-size", "1"),
+    ("train", "--stop-ids", "-1"),
+    ("rollout", "--stop-ids", "2", "-5"),
+    ("train", "--prompt-format", "chat"),  # the byte tokenizer of a tiny model has no chat template
+    ("rollout", "--thinking"),  # only a chat template has a thinking switch
     ("train", "--seed", "-1"),
     ("train", "--save-every", "0"),
     ("train", "--max-new-tokens", "0"),
