@@ -1194,8 +1194,6 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
-    except RecursionError:  # NOTE: unreachable after the depth check; kept so no input can give a traceback
-        raise ValueError(f"{where}: JSON nested too deeply") from None
 
 
 # The largest model (parameters and the caches of one sequence) a config may ask for, checked with
@@ -1223,18 +1221,6 @@ def _config_bytes(cfg) -> dict[str, int]:
     }
 
 
-def _check_config_size(cfg) -> None:
-    """Refuse, before any allocation, a config whose model would need more than MAX_MODEL_BYTES."""
-    need = _config_bytes(cfg)
-    if sum(need.values()) > MAX_MODEL_BYTES:
-        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-        raise ValueError(
-            f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
-            f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
-            f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
-        )
-
-
 # HF metadata that does not change the math (checked where it could)
 _HF_IGNORED_KEYS = set(
     "architectures auto_map model_type torch_dtype dtype transformers_version use_cache initializer_range "
@@ -1248,10 +1234,6 @@ _HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json le
 )  # fmt: skip
 
 
-def is_hf_config(d) -> bool:
-    return isinstance(d, dict) and ("model_type" in d or "architectures" in d)
-
-
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
     "hidden_act": (str,),
     "rope_scaling": (dict, type(None)),
@@ -1262,8 +1244,9 @@ _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may
 }
 
 
-def _check_hf_types(d: dict, source: str):
-    """Type-check the HF keys read below, so a list where an object belongs is an error, not a traceback."""
+def _check_hf_semantics(d: dict, source: str):
+    """Refuse HF settings that would change the math this module implements (each key type-checked first,
+    so a list where an object belongs is an error, not a traceback)."""
     for key, types in _HF_KEY_TYPES.items():
         if key in d and not isinstance(d[key], types):
             raise ValueError(
@@ -1275,11 +1258,6 @@ def _check_hf_types(d: dict, source: str):
     eos = d.get("eos_token_id")
     if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
         raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
-
-
-def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements."""
-    _check_hf_types(d, source)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
     rope_scaling = d.get("rope_scaling")
@@ -1293,10 +1271,8 @@ def _check_hf_semantics(d: dict, source: str):
 
 def _is_finite_number(v) -> bool:
     """An int or float (not a bool) that is finite; an int too large for a float is not."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
     try:
-        return math.isfinite(v)
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     except OverflowError:
         return False
 
@@ -1340,12 +1316,18 @@ def check_config(kw: dict) -> None:
 
 
 def _build_config(kw: dict, source: str) -> Config:
-    """Config(**kw) once `check_config` passes, its errors naming `source`, and refused before any
-    allocation if too large."""
+    """Config(**kw) once `check_config` passes and its model fits MAX_MODEL_BYTES; errors name `source`."""
     try:
         check_config(kw)
         cfg = Config(**kw)
-        _check_config_size(cfg)
+        need = _config_bytes(cfg)  # refused before anything is allocated
+        if sum(need.values()) > MAX_MODEL_BYTES:
+            parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+            raise ValueError(
+                f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
+                f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
+                f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
+            )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
     return cfg
@@ -1379,10 +1361,10 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
 def config_from_dict(d: dict, source: str = "<dict>") -> Config:
     """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
     typo would change the model unnoticed). Also `Config.from_dict`."""
-    if is_hf_config(d):
-        return config_from_hf(d, source)
     if not isinstance(d, dict):
         raise ValueError(f"{source}: a config must be a JSON object")
+    if "model_type" in d or "architectures" in d:
+        return config_from_hf(d, source)
     known = {f.name for f in dataclasses.fields(Config)}
     for key in d:
         if key not in known:
@@ -1392,16 +1374,10 @@ def config_from_dict(d: dict, source: str = "<dict>") -> Config:
 
 def config_to_hf(cfg: Config) -> dict:
     """The HF Ouro config.json of a model (so HF's own code can load what we save)."""
-    d = dataclasses.asdict(cfg)
-    d.update(
-        model_type="ouro",
-        architectures=["OuroForCausalLM"],
-        hidden_act="silu",
-        rope_scaling=None,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-    )
-    return d
+    return dataclasses.asdict(cfg) | dict(
+        model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu", rope_scaling=None,
+        use_sliding_window=False, attention_dropout=0.0,
+    )  # fmt: skip
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -1469,9 +1445,7 @@ _SAFETENSORS_DTYPES = {
 
 
 @dataclass
-class _StoredTensor:
-    """Where one tensor lies in a safetensors file: what its header says, nothing read yet."""
-
+class _StoredTensor:  # where one tensor lies in a safetensors file, as its header says (nothing read yet)
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -1480,12 +1454,9 @@ class _StoredTensor:
 
 
 def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
-    """The tensors of one safetensors file, from its header alone.
-
-    safetensors validates the file first (header, dtypes, offsets, sizes; it maps the file without reading
-    its data), so a corrupt file gets the error message it always got; then the header is read again here
-    for the byte offsets, which safetensors does not expose.
-    """
+    """The tensors of one safetensors file, from its header alone. safetensors validates the file first
+    (without reading its data), so a corrupt file gets safetensors' message; then the header is read again
+    here for the byte offsets, which safetensors does not expose."""
     st = _safetensors()
     try:
         with st.safe_open(str(file), framework="pt"):
@@ -1506,19 +1477,14 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order.
-
-    A tensor is read straight into `into[name]` when given (a contiguous CPU tensor of the stored dtype
-    and shape: no copy at all), else into a new CPU tensor that the caller drops before the next.
-    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory
-    until it is closed, which would add a whole shard to the peak.
-    """
-    by_file: dict[Path, list[str]] = {}
-    for name, t in stored.items():
-        by_file.setdefault(t.file, []).append(name)
-    for file, names in by_file.items():
+    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order: straight
+    into `into[name]` when given (a contiguous CPU tensor of the stored dtype and shape: no copy at all),
+    else into a new CPU tensor that the caller drops before the next.
+    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory until
+    it is closed, which would add a whole shard to the peak."""
+    for file in dict.fromkeys(t.file for t in stored.values()):
         with open(file, "rb") as fh:
-            for name in sorted(names, key=lambda k: stored[k].start):
+            for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
                 t = stored[name]
                 out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
                 buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())  # its memory, as bytes
@@ -1533,31 +1499,25 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and summing is ~100x
-    faster than isfinite on CPU (measured on bf16: 0.01 s against 2 s for 50 M elements). Only a sum that is
-    not finite (a NaN or infinity, or finite values overflowing) is checked element by element, in slices
-    (the whole tensor's mask would be one more byte per element)."""
+    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and ~100x faster on
+    CPU (bf16, 50 M elements: 0.01 s against 2 s). Only a sum that is not finite (finite values can overflow
+    too) is checked element by element, in slices (a whole mask would cost a byte per element)."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
-def _meta_model(cfg: Config) -> LoopedLM:
-    """A model of shapes only, on the meta device: no memory, no random init (LoopedLM skips it there).
+def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
+    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), and left
+    uninitialised: built on the meta device (no memory; LoopedLM skips its init there), then given memory.
+    Fill it before use.
     NOTE: nn.Embedding still draws its own init, and torch runs normal_ on the meta device through its
     Python reference kernels, importing its compiler on first use (measured: 3 s and 60 MB); that draw
     would be thrown away, so it is skipped while the model is built."""
-    normal_ = nn.init.normal_
-    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
     try:
         with torch.device("meta"):
-            return LoopedLM(cfg)
+            model = LoopedLM(cfg)
     finally:
         nn.init.normal_ = normal_
-
-
-def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model whose parameters are allocated once, in `dtype` on `device`, and left uninitialised: built
-    on the meta device (shapes only), then given memory. Fill it before use."""
-    model = _meta_model(cfg)
     for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
         for name, p in module.named_parameters(recurse=False):
             setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
@@ -1570,13 +1530,13 @@ def load_checkpoint(
 ) -> LoopedLM:
     """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index).
 
-    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from
-    the file straight into its parameter when the dtypes agree, else through one temporary tensor and the
-    same cast as ever (so a float64 file keeps its bits in a float64 model). Peak memory: the model plus
-    the largest tensor. Refused with every culprit listed, in this order: tensors that are not floating
-    point, tensors holding NaN or infinities, then missing, unexpected and misshapen tensors.
-    NOTE: that order is the one the checks always had, so a checkpoint with several faults gets the same
-    message as before; it costs a read of every tensor before a name mismatch is reported.
+    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from the
+    file straight into its parameter when the dtypes agree, else through one temporary tensor and a cast (a
+    float64 file keeps its bits in a float64 model). Peak memory: the model plus the largest tensor. Refused
+    with every culprit listed, in this order: tensors not floating point, tensors holding NaN or infinities,
+    then missing, unexpected and misshapen tensors.
+    NOTE: the order the checks always had, so several faults give the same message as ever; it costs a read
+    of every tensor before a name mismatch is reported.
     """
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
@@ -1595,7 +1555,7 @@ def load_checkpoint(
     )
     if not_float:  # a cast would make up weights
         raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
-    expected = {k: tuple(v.shape) for k, v in _meta_model(cfg).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in empty_model(cfg, device="meta").state_dict().items()}
     source = {k: k for k in expected if k in stored}  # parameter -> the stored tensor that fills it
     if cfg.tie_word_embeddings and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
         source["lm_head.weight"] = "model.embed_tokens.weight"
