@@ -1235,13 +1235,9 @@ _HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json le
 
 
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
-    "hidden_act": (str,),
-    "rope_scaling": (dict, type(None)),
-    "use_sliding_window": (bool, type(None)),
-    "layer_types": (list, type(None)),
-    "attention_bias": (bool, type(None)),
-    "eos_token_id": (int, list, type(None)),
-}
+    "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
+    "layer_types": (list, type(None)), "attention_bias": (bool, type(None)), "eos_token_id": (int, list, type(None)),
+}  # fmt: skip
 
 
 def _check_hf_semantics(d: dict, source: str):
@@ -3347,12 +3343,13 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
     return ids[len(prompt) :]
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _timed(device: torch.device, fn: Callable):
+    """(seconds, fn()), the device synchronized on both sides."""
+    _sync(device)
+    t = time.perf_counter()
+    res = fn()
+    _sync(device)
+    return time.perf_counter() - t, res
 
 
 def _reset_peak_memory(device: torch.device) -> None:
@@ -3366,10 +3363,11 @@ def _reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_resident_bytes() -> int:
-    """Peak resident memory since the last `_reset_peak_memory` (VmHWM), interpreter and torch included."""
+def _peak_resident_bytes(since_reset: bool = True) -> int:
+    """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
+    else (or off Linux) over the process's life (ru_maxrss)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -3384,15 +3382,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
     and once written (STREAM's convention). The roofline's bound: decoding reads every weight per call."""
     src = torch.ones(nbytes // 4, device=device)  # (n,) float32
     dst = torch.empty_like(src)
-    best = math.inf
-    for i in range(6):  # copy 0 warms up (page faults)
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i:
-            best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    seconds = [_timed(device, lambda: dst.copy_(src))[0] for _ in range(6)]
+    return 2 * nbytes / min(seconds[1:])  # copy 0 warms up (page faults)
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
@@ -3425,24 +3416,16 @@ def _fmt_bytes(n: float) -> str:
     return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
 
 
-def _memory_total(args, device: torch.device) -> int:
-    """--memory-gb, else the device's memory (CUDA) or the machine's physical memory (CPU), in bytes."""
-    if args.memory_gb is not None:
-        return int(args.memory_gb * 1e9)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 # A measurement's table rows (what, text) and its summary figures, keyed without the dtype's suffix.
 Measured = tuple[list[tuple[str, str]], dict]
+Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
 @dataclass
 class _BenchSetup:
     """What every measurement of `bench` shares: the flags, the prompts, the machine's figures."""
 
-    args: argparse.Namespace
+    args: BenchFlags
     device: torch.device
     cfg: Config
     dtypes: tuple[str, ...]
@@ -3460,7 +3443,7 @@ class _BenchSetup:
         return self.args.model is not None
 
 
-def _bench_setup(args) -> _BenchSetup:
+def _bench_setup(args: BenchFlags) -> _BenchSetup:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     real = args.model is not None
     cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
@@ -3487,19 +3470,9 @@ def _bench_setup(args) -> _BenchSetup:
 def _bench_rollout(
     s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
 ) -> Rollout:
-    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled from --seed or
-    greedy."""
+    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled or greedy."""
     policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
     return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
-
-
-def _timed(device: torch.device, fn: Callable):
-    """(seconds, fn()), the device synchronized on both sides."""
-    _sync(device)
-    t = time.perf_counter()
-    res = fn()
-    _sync(device)
-    return time.perf_counter() - t, res
 
 
 def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
@@ -3535,21 +3508,22 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
     return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
 
 
-def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> dict[str, tuple[Rollout, list[float]]]:
+def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> Runs:
     """Dense and deferred rollouts of a batch, --repeats times each, alternating so that drift hits both
     alike: per mode, the last rollout and the times."""
-    run = {m: (lambda m=m: _bench_rollout(s, model, batch, m)) for m in ("dense", "deferred")}
-    run["deferred"]()  # warm-up
+    _bench_rollout(s, model, batch, "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
-        for m in ("dense", "deferred"):
-            dt, ro = _timed(s.device, run[m])
+        for m in runs:
+            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, batch, m))
             runs[m] = (ro, runs[m][1] + [dt])
     return runs
 
 
-def _rollout_speed(B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
-    """Dense against deferred tokens per second at batch B, against the ideal (their ratio of calls)."""
+def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int, runs: Runs) -> Measured:
+    """Dense against deferred tokens per second at batch B, against the ideal (their ratio of calls); and the
+    roofline: the share of the copy bandwidth each reaches, since decoding reads every weight once per call,
+    so a rollout can go no faster than its bytes / the bandwidth (prefill included: a few calls of a few rows)."""
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
     tokens = int(ro_def.mask.sum())
     med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
@@ -3557,33 +3531,24 @@ def _rollout_speed(B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Meas
     ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
     mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
     same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
-    text = (
+    speed = (
         f"dense {tokens / med_dense:.1f} tok/s, deferred {tokens / med_def:.1f} tok/s: x{speedup:.2f} (ideal "
         f"x{ideal:.2f}, {100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops dense "
         f"{ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; same tokens and exit loops: {same}"
     )
-    figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
-    return [(f"rollout b={B}", text)], figures
-
-
-def _roofline(s: _BenchSetup, model: LoopedLM, B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
-    """The share of the copy bandwidth each rollout reaches: decoding reads every weight once per call, so a
-    rollout can go no faster than its bytes / the bandwidth. Prefill is included (short prompts: a few
-    calls of a few rows)."""
-    tokens = int(runs["deferred"][0].mask.sum())
     read = {m: rollout_bytes(model, ro) for m, (ro, _) in runs.items()}
     fraction = {m: read[m] / statistics.median(t) / s.bandwidth for m, (_, t) in runs.items()}
-    text = (
+    roofline = (
         f"reads per token (weights + KV, prefill included): dense {_fmt_bytes(read['dense'] / tokens)}, deferred "
         f"{_fmt_bytes(read['deferred'] / tokens)}; at the copy bandwidth {s.bandwidth / 1e9:.1f} GB/s that is "
         f"{100 * fraction['dense']:.0f}% (dense) and {100 * fraction['deferred']:.0f}% (deferred) of the bound"
     )
-    return [(f"roofline b={B}", text)], {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+    figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
+    figures |= {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+    return [(f"rollout b={B}", speed), (f"roofline b={B}", roofline)], figures
 
 
-def _replay_vs_rollout(
-    s: _BenchSetup, model: LoopedLM, runs: dict[str, tuple[Rollout, list[float]]]
-) -> tuple[Rollout, list[float], Measured]:
+def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
     """Replay against a deferred rollout (toy: batch 8), and whether replay equals the rollout (and the
     dense one) bitwise. With --model the rollouts timed last serve: at 1.4 B parameters each costs seconds.
     Also returns the deferred rollout and the rollout's times, which the learner's figures reuse."""
@@ -3662,11 +3627,17 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
 
 
 def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
-    """The KV cache per token and what fits beside the weights; the peaks of the load and of the run."""
+    """The KV cache per token and what fits beside the weights (in --memory-gb, else the device's memory or
+    the machine's); the peaks of the load and of the run."""
     cfg, weights = s.cfg, load["weights"]
     kv = kv_cache_bytes_per_token(cfg, dtype)
     lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
-    memory = _memory_total(s.args, s.device)
+    if s.args.memory_gb is not None:
+        memory = int(s.args.memory_gb * 1e9)
+    elif s.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(s.device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fit = max(0, memory - weights) // kv["total"]
     cache = (
         f"{kv['kv']:,} bytes per token (2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
@@ -3695,49 +3666,36 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
 
 
 def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order (the model is freed on return)."""
+    """Every measurement in one dtype, in the table's order (the model is freed on return, before the next
+    dtype's load is measured)."""
     dtype = DTYPES[dtype_name]
     model, load = _load_bench_model(s, dtype)
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
         runs = _time_rollouts(s, model, s.prompts[:B])
-        measured += [_rollout_speed(B, runs), _roofline(s, model, B, runs)]
+        measured.append(_rollout_speed(s, model, B, runs))
     ro, rollout_times, replay = _replay_vs_rollout(s, model, runs)
     measured += [replay, _learner(s, model, ro, rollout_times), _naive_vs_hybrid(model, ro)]
-    measured += [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
-    return measured
+    return measured + [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
 
 
-def cmd_bench(args) -> int:
-    """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
-    removes, in bfloat16 and float32 (or --dtype). Alternating repeats, medians. Also: the roofline (the
-    memory bandwidth a rollout reaches against a measured copy), the KV cache's bytes per token and what
-    fits in memory, peak memory of the load and of the run, and bf16 against float32 matmul speed.
-
-    --model DIR benches a real checkpoint's shapes (loaded lean); there the whole GRPO step is skipped (its
-    AdamW state is two more copies of the weights) and the KV-cache comparison shrinks to the short prompt
-    and --new-tokens. The output says so.
-    """
+def cmd_bench(args: BenchFlags) -> int:
+    """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid removes,
+    in bfloat16 and float32 (or --dtype); alternating repeats, medians. Also the roofline, the KV cache's
+    bytes per token and what fits, the peak memory of the load and of the run, and bf16 against float32
+    matmul speed. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line
+    lists. Prints a table, then its figures as one JSON line."""
     s = _bench_setup(args)
-    rows, summary = [], {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
-
-    def add(dtype_name: str, suffix: str, measured: list[Measured]) -> None:
-        for part_rows, figures in measured:
-            rows.extend((dtype_name, what, text) for what, text in part_rows)
-            summary.update({key + suffix: value for key, value in figures.items()})
-
-    if s.slowdown is not None:
-        add("bfloat16", "", [_bf16_matmul(s.slowdown)])
+    measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
-        add(dtype_name, "" if dtype_name == "bfloat16" else "_fp32", _bench_dtype(s, dtype_name))
-    summary["peak_memory_mb"] = round(_peak_memory_mb(s.device), 1)
-    _print_bench(s, rows, summary)
-    return 0
-
-
-def _print_bench(s: _BenchSetup, rows: list[tuple[str, str, str]], summary: dict) -> None:
-    cfg, args = s.cfg, s.args
+        measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
+    peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
+    summary = {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
+    for dtype_name, (_, figures) in measured:
+        summary |= {key + ("" if dtype_name == "bfloat16" else "_fp32"): value for key, value in figures.items()}
+    summary["peak_memory_mb"] = round(peak / 2**20, 1)
+    cfg = s.cfg
     print(
         f"bench: {args.model if s.real else args.config} (R={cfg.total_ut_steps}, L={cfg.num_hidden_layers}, "
         f"C={cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
@@ -3750,10 +3708,12 @@ def _print_bench(s: _BenchSetup, rows: list[tuple[str, str, str]], summary: dict
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
             "--new-tokens, not --cache-prompt + --cache-tokens)"
         )
-    for dt_name, what, text in rows:
-        print(f"  {dt_name:<9} {what:<26} {text}")
+    for dtype_name, (rows, _) in measured:
+        for what, text in rows:
+            print(f"  {dtype_name:<9} {what:<26} {text}")
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
     print(json.dumps(summary))
+    return 0
 
 
 # --- Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them ---
