@@ -38,6 +38,7 @@ Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -3355,10 +3356,8 @@ def _timed(device: torch.device, fn: Callable):
 def _reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: of resident memory (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and,
     on CUDA, of allocated device memory."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak then runs from the process's start
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:  # not Linux, or not allowed: the peak then runs from the start of the process
-        pass
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -3366,12 +3365,10 @@ def _reset_peak_memory(device: torch.device) -> None:
 def _peak_resident_bytes(since_reset: bool = True) -> int:
     """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
     else (or off Linux) over the process's life (ru_maxrss)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB (macOS bytes)
@@ -3421,50 +3418,28 @@ Measured = tuple[list[tuple[str, str]], dict]
 Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
-@dataclass
 class _BenchSetup:
-    """What every measurement of `bench` shares: the flags, the prompts, the machine's figures."""
+    """What every measurement of `bench` shares: the flags, the config, the prompts, the machine's figures
+    and (toy) the weights that every dtype loads."""
 
-    args: BenchFlags
-    device: torch.device
-    cfg: Config
-    dtypes: tuple[str, ...]
-    batches: tuple[int, ...]
-    threshold: float
-    gate_bias: float | None  # None: the checkpoint's own
-    prompts: list[list[int]]  # max(8, batches) short prompts of 8..16 tokens
-    cache_prompt: list[int]  # the KV-cache comparison's long prompt
-    bandwidth: float  # bytes/s, a measured copy
-    slowdown: dict[str, float] | None  # bf16 over float32 matmul (None: no bfloat16 benched)
-    base: LoopedLM | None  # the toy's weights, which every dtype loads (None with --model)
-
-    @property
-    def real(self) -> bool:  # --model: a checkpoint's shapes, where some measurements shrink (see cmd_bench)
-        return self.args.model is not None
-
-
-def _bench_setup(args: BenchFlags) -> _BenchSetup:
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    real = args.model is not None
-    cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
-    dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
-    batches = (args.batch,) if args.batch else ((1,) if real else (1, 8))
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(0, min(256, cfg.vocab_size), (int(n),), generator=gen).tolist()
-        for n in torch.randint(8, 17, (max(8, *batches),), generator=gen)
-    ]
-    cache_prompt = torch.randint(0, min(256, cfg.vocab_size), (args.cache_prompt,), generator=gen).tolist()
-    bandwidth = copy_bandwidth(device)  # before any model, so its buffers count in no phase's peak
-    slowdown = bf16_slowdown(cfg, device) if "bfloat16" in dtypes else None
-    threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
-    gate_bias = 1.0 if args.gate_bias is None and not real else args.gate_bias
-    base = None if real else LoopedLM(cfg, seed=args.seed)
-    if base is not None:
-        _set_gate_bias(base, gate_bias)
-    return _BenchSetup(
-        args, device, cfg, dtypes, batches, threshold, gate_bias, prompts, cache_prompt, bandwidth, slowdown, base
-    )
+    def __init__(self, args: BenchFlags):
+        self.args, self.real = args, args.model is not None  # real: a checkpoint's shapes, where some measures shrink
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device = torch.device(auto if args.device == "auto" else args.device)
+        self.cfg = cfg = load_config(Path(args.model) / "config.json" if self.real else args.config)
+        self.dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
+        self.batches = (args.batch,) if args.batch else ((1,) if self.real else (1, 8))
+        gen, V = torch.Generator().manual_seed(args.seed), min(256, cfg.vocab_size)
+        lengths = torch.randint(8, 17, (max(8, *self.batches),), generator=gen)
+        self.prompts = [torch.randint(0, V, (int(n),), generator=gen).tolist() for n in lengths]  # short ones
+        self.cache_prompt = torch.randint(0, V, (args.cache_prompt,), generator=gen).tolist()  # the cache test's
+        self.bandwidth = copy_bandwidth(device)  # bytes/s; before any model, so its buffers count in no peak
+        self.slowdown = bf16_slowdown(cfg, device) if "bfloat16" in self.dtypes else None  # bf16 over fp32 matmul
+        self.threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
+        self.gate_bias = 1.0 if args.gate_bias is None and not self.real else args.gate_bias  # None: the file's
+        self.base = None if self.real else LoopedLM(cfg, seed=args.seed)
+        if self.base is not None:
+            _set_gate_bias(self.base, self.gate_bias)
 
 
 def _bench_rollout(
@@ -3479,24 +3454,6 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
     if bias is not None:
         with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
             model.model.early_exit_gate.bias.fill_(bias)
-
-
-def _load_bench_model(s: _BenchSetup, dtype: torch.dtype) -> tuple[LoopedLM, dict]:
-    """The model in `dtype`, and the load's figures: seconds, peak resident (and device) bytes, weight bytes."""
-    _reset_peak_memory(s.device)
-    if s.real:
-        t_load, model = _timed(s.device, lambda: LoopedLM.from_pretrained(s.args.model, dtype=dtype, device=s.device))
-        _set_gate_bias(model, s.gate_bias)
-    else:
-        t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
-        model.load_state_dict(s.base.state_dict())
-    load = {
-        "seconds": t_load,
-        "peak": _peak_resident_bytes(),
-        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
-        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
-    }
-    return model, load
 
 
 def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
@@ -3666,10 +3623,22 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
 
 
 def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order (the model is freed on return, before the next
-    dtype's load is measured)."""
+    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return,
+    before the next dtype's load is measured)."""
     dtype = DTYPES[dtype_name]
-    model, load = _load_bench_model(s, dtype)
+    _reset_peak_memory(s.device)
+    if s.real:
+        t_load, model = _timed(s.device, lambda: LoopedLM.from_pretrained(s.args.model, dtype=dtype, device=s.device))
+        _set_gate_bias(model, s.gate_bias)
+    else:
+        t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
+        model.load_state_dict(s.base.state_dict())
+    load = {
+        "seconds": t_load,
+        "peak": _peak_resident_bytes(),
+        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
+        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
+    }
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
@@ -3686,7 +3655,7 @@ def cmd_bench(args: BenchFlags) -> int:
     bytes per token and what fits, the peak memory of the load and of the run, and bf16 against float32
     matmul speed. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line
     lists. Prints a table, then its figures as one JSON line."""
-    s = _bench_setup(args)
+    s = _BenchSetup(args)
     measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
         measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
