@@ -1185,8 +1185,7 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         depth += 1 if m.group() in "[{" else -1
         if depth > JSON_MAX_DEPTH:
             raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
-    m = re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare)
-    if m:
+    if m := re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare):
         raise ValueError(
             f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
             f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
@@ -1233,7 +1232,6 @@ _HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json le
     vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
     max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, total_ut_steps=4, tie_word_embeddings=False,
 )  # fmt: skip
-
 
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
     "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
@@ -1363,9 +1361,8 @@ def config_from_dict(d: dict, source: str = "<dict>") -> Config:
     if "model_type" in d or "architectures" in d:
         return config_from_hf(d, source)
     known = {f.name for f in dataclasses.fields(Config)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
+    if unknown := [key for key in d if key not in known]:
+        raise ValueError(f"{source}: unknown config key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     return _build_config(d, source)
 
 
@@ -1422,8 +1419,7 @@ def _index_shards(index: Path) -> list[str]:
     wm = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise ValueError(f"{index}: not a safetensors index (needs a non-empty object 'weight_map')")
-    bad = [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]
-    if bad:
+    if bad := [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]:
         raise ValueError(f"{index}: 'weight_map' maps {bad[0][0]!r} to {bad[0][1]!r}, not a file name")
     folder = index.parent.resolve()
     for f in sorted(set(wm.values())):
@@ -1504,11 +1500,9 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
     """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), and left
-    uninitialised: built on the meta device (no memory; LoopedLM skips its init there), then given memory.
-    Fill it before use.
-    NOTE: nn.Embedding still draws its own init, and torch runs normal_ on the meta device through its
-    Python reference kernels, importing its compiler on first use (measured: 3 s and 60 MB); that draw
-    would be thrown away, so it is skipped while the model is built."""
+    uninitialised (fill it before use): built on the meta device, where LoopedLM skips its init, then given
+    memory. NOTE: nn.Embedding still draws its own init, which torch runs on the meta device through Python
+    reference kernels that import its compiler (measured: 3 s and 60 MB); that draw is skipped here."""
     normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
     try:
         with torch.device("meta"):
@@ -3393,10 +3387,9 @@ def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
 
 
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
-    """Bytes of weights and K/V that a rollout's calls read, from its schedule (a lower bound on its memory
-    traffic): every call reads the L layers' weights, the final norm and the exit gate; a call with rows to
-    read out also reads lm_head; attention reads K and V of every layer at positions up to the call's last
-    one, for each sequence in the call."""
+    """Bytes of weights and K/V that a rollout's calls read (a lower bound on its memory traffic): every call
+    reads the layers, the final norm and the exit gate, lm_head if it reads rows out, and for each of its
+    sequences K and V of every layer at positions up to its last one."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
     per_call = b * sum(p.numel() for m in body for p in m.parameters())
@@ -3418,11 +3411,17 @@ Measured = tuple[list[tuple[str, str]], dict]
 Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
+def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
+    if bias is not None:
+        with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
+            model.model.early_exit_gate.bias.fill_(bias)
+
+
 class _BenchSetup:
     """What every measurement of `bench` shares: the flags, the config, the prompts, the machine's figures
     and (toy) the weights that every dtype loads."""
 
-    def __init__(self, args: BenchFlags):
+    def __init__(self, args):
         self.args, self.real = args, args.model is not None  # real: a checkpoint's shapes, where some measures shrink
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device = torch.device(auto if args.device == "auto" else args.device)
@@ -3436,7 +3435,7 @@ class _BenchSetup:
         self.bandwidth = copy_bandwidth(device)  # bytes/s; before any model, so its buffers count in no peak
         self.slowdown = bf16_slowdown(cfg, device) if "bfloat16" in self.dtypes else None  # bf16 over fp32 matmul
         self.threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
-        self.gate_bias = 1.0 if args.gate_bias is None and not self.real else args.gate_bias  # None: the file's
+        self.gate_bias = 1.0 if args.gate_bias is None and not self.real else args.gate_bias  # None: the model's
         self.base = None if self.real else LoopedLM(cfg, seed=args.seed)
         if self.base is not None:
             _set_gate_bias(self.base, self.gate_bias)
@@ -3450,12 +3449,6 @@ def _bench_rollout(
     return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
 
 
-def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
-    if bias is not None:
-        with torch.no_grad():  # NOTE: the exit gate is set, not trained: a bias that makes tokens exit early
-            model.model.early_exit_gate.bias.fill_(bias)
-
-
 def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
     """bfloat16 against float32 matmul speed at this model's MLP shape (and a warning when it is slow)."""
     text = f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)"
@@ -3465,22 +3458,17 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
     return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
 
 
-def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> Runs:
-    """Dense and deferred rollouts of a batch, --repeats times each, alternating so that drift hits both
-    alike: per mode, the last rollout and the times."""
-    _bench_rollout(s, model, batch, "deferred")  # warm-up
+def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
+    """Dense and deferred rollouts of B prompts, --repeats times each, alternating so that drift hits both
+    alike: tokens per second against the ideal (their ratio of calls), and the roofline, the share of the copy
+    bandwidth each reaches (decoding reads every weight once per call, so a rollout can go no faster than its
+    bytes / the bandwidth; prefill included: a few calls of a few rows). Also returns the runs."""
+    _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
         for m in runs:
-            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, batch, m))
+            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:B], m))
             runs[m] = (ro, runs[m][1] + [dt])
-    return runs
-
-
-def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int, runs: Runs) -> Measured:
-    """Dense against deferred tokens per second at batch B, against the ideal (their ratio of calls); and the
-    roofline: the share of the copy bandwidth each reaches, since decoding reads every weight once per call,
-    so a rollout can go no faster than its bytes / the bandwidth (prefill included: a few calls of a few rows)."""
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
     tokens = int(ro_def.mask.sum())
     med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
@@ -3502,7 +3490,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int, runs: Runs) -> Measu
     )
     figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
     figures |= {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
-    return [(f"rollout b={B}", speed), (f"roofline b={B}", roofline)], figures
+    return runs, ([(f"rollout b={B}", speed), (f"roofline b={B}", roofline)], figures)
 
 
 def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
@@ -3642,14 +3630,14 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
-        runs = _time_rollouts(s, model, s.prompts[:B])
-        measured.append(_rollout_speed(s, model, B, runs))
+        runs, speed = _rollout_speed(s, model, B)
+        measured.append(speed)
     ro, rollout_times, replay = _replay_vs_rollout(s, model, runs)
     measured += [replay, _learner(s, model, ro, rollout_times), _naive_vs_hybrid(model, ro)]
     return measured + [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
 
 
-def cmd_bench(args: BenchFlags) -> int:
+def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid removes,
     in bfloat16 and float32 (or --dtype); alternating repeats, medians. Also the roofline, the KV cache's
     bytes per token and what fits, the peak memory of the load and of the run, and bf16 against float32
