@@ -38,7 +38,6 @@ Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -1255,9 +1254,8 @@ def _check_hf_semantics(d: dict, source: str):
         raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
-    rope_scaling = d.get("rope_scaling")
-    if rope_scaling not in (None, {}) and (rope_scaling or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: key 'rope_scaling' = {rope_scaling!r}; only plain RoPE is implemented")
+    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
     if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
         raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
     if d.get("attention_bias"):
@@ -1538,9 +1536,8 @@ def load_checkpoint(
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    stored: dict[str, _StoredTensor] = {}
-    for f in files:
-        stored.update(_stored_tensors(path / f))  # a name in two shards: the later file's tensor, as ever
+    # a name in two shards: the later file's tensor, as ever
+    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}
     not_float = sorted(
         f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
@@ -3350,8 +3347,10 @@ def _timed(device: torch.device, fn: Callable):
 def _reset_peak_memory(device: torch.device) -> None:
     """Start a new peak: of resident memory (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and,
     on CUDA, of allocated device memory."""
-    with contextlib.suppress(OSError):  # not Linux, or not allowed: the peak then runs from the process's start
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not allowed: the peak then runs from the start of the process
+        pass
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -3359,10 +3358,12 @@ def _reset_peak_memory(device: torch.device) -> None:
 def _peak_resident_bytes(since_reset: bool = True) -> int:
     """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
     else (or off Linux) over the process's life (ru_maxrss)."""
-    with contextlib.suppress(OSError):
+    try:
         for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB (macOS bytes)
@@ -3652,10 +3653,9 @@ def cmd_bench(args) -> int:
     for dtype_name, (_, figures) in measured:
         summary |= {key + ("" if dtype_name == "bfloat16" else "_fp32"): value for key, value in figures.items()}
     summary["peak_memory_mb"] = round(peak / 2**20, 1)
-    cfg = s.cfg
     print(
-        f"bench: {args.model if s.real else args.config} (R={cfg.total_ut_steps}, L={cfg.num_hidden_layers}, "
-        f"C={cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
+        f"bench: {args.model if s.real else args.config} (R={s.cfg.total_ut_steps}, L={s.cfg.num_hidden_layers}, "
+        f"C={s.cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
         f"median of {args.repeats}, gate bias {'unchanged' if s.gate_bias is None else s.gate_bias}, "
         f"exit threshold {s.threshold}"
     )
