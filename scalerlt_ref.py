@@ -1517,16 +1517,13 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index).
-
-    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from the
-    file straight into its parameter when the dtypes agree, else through one temporary tensor and a cast (a
-    float64 file keeps its bits in a float64 model). Peak memory: the model plus the largest tensor. Refused
-    with every culprit listed, in this order: tensors not floating point, tensors holding NaN or infinities,
-    then missing, unexpected and misshapen tensors.
-    NOTE: the order the checks always had, so several faults give the same message as ever; it costs a read
-    of every tensor before a name mismatch is reported.
-    """
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index), lean:
+    the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read straight into
+    its parameter when the dtypes agree, else through one temporary tensor and a cast (a float64 file keeps
+    its bits in a float64 model); peak memory: the model plus the largest tensor. Refused with every culprit
+    listed, in the order the checks always had (so several faults give the same message as ever, at the cost
+    of reading every tensor before a name mismatch is reported): tensors not floating point, tensors holding
+    NaN or infinities, then missing, unexpected and misshapen tensors."""
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -3516,13 +3513,12 @@ def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rol
 
 def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[float]) -> Measured:
     """Teacher-forced forward + backward per token, and (toy) a whole GRPO step split in three."""
-    tokens = int(ro.mask.sum())
     fb = []
     for _ in range(1 if s.real else s.args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
         model.zero_grad()
         dt, _ = _timed(s.device, lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(s.device)).sum().backward())
         fb.append(dt)
-    text = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
+    text = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / int(ro.mask.sum()):.2f} ms/token"
     if s.real:
         model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
         text += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
@@ -3639,11 +3635,9 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid removes,
-    in bfloat16 and float32 (or --dtype); alternating repeats, medians. Also the roofline, the KV cache's
-    bytes per token and what fits, the peak memory of the load and of the run, and bf16 against float32
-    matmul speed. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line
-    lists. Prints a table, then its figures as one JSON line."""
+    """Dense vs deferred throughput and its roofline, replay and learner cost, the KV cache, memory and the
+    mismatch the hybrid removes, in bfloat16 and float32 (or --dtype): a table, then its figures as one JSON
+    line. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line lists."""
     s = _BenchSetup(args)
     measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
