@@ -1145,8 +1145,7 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         depth += 1 if m.group() in "[{" else -1
         if depth > JSON_MAX_DEPTH:
             raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
-    m = re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare)
-    if m:
+    if m := re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare):
         raise ValueError(
             f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
             f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
@@ -1155,8 +1154,6 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
-    except RecursionError:  # NOTE: unreachable after the depth check; kept so no input can give a traceback
-        raise ValueError(f"{where}: JSON nested too deeply") from None
 
 
 # The largest model (parameters and the caches of one sequence) a config may ask for, checked with
@@ -1184,18 +1181,6 @@ def _config_bytes(cfg) -> dict[str, int]:
     }
 
 
-def _check_config_size(cfg) -> None:
-    """Refuse, before any allocation, a config whose model would need more than MAX_MODEL_BYTES."""
-    need = _config_bytes(cfg)
-    if sum(need.values()) > MAX_MODEL_BYTES:
-        parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-        raise ValueError(
-            f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
-            f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
-            f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
-        )
-
-
 # HF metadata that does not change the math (checked where it could)
 _HF_IGNORED_KEYS = set(
     "architectures auto_map model_type torch_dtype dtype transformers_version use_cache initializer_range "
@@ -1209,23 +1194,15 @@ _HF_DEFAULTS = dict(  # OuroConfig's own defaults, for keys an HF config.json le
     early_exit_threshold=1.0,  # NOTE: an explicit null stays None: no threshold, every position exits at R
 )  # fmt: skip
 
-
-def is_hf_config(d) -> bool:
-    return isinstance(d, dict) and ("model_type" in d or "architectures" in d)
-
-
 _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may have
-    "hidden_act": (str,),
-    "rope_scaling": (dict, type(None)),
-    "use_sliding_window": (bool, type(None)),
-    "layer_types": (list, type(None)),
-    "attention_bias": (bool, type(None)),
-    "eos_token_id": (int, list, type(None)),
-}
+    "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
+    "layer_types": (list, type(None)), "attention_bias": (bool, type(None)), "eos_token_id": (int, list, type(None)),
+}  # fmt: skip
 
 
-def _check_hf_types(d: dict, source: str):
-    """Type-check the HF keys read below, so a list where an object belongs is an error, not a traceback."""
+def _check_hf_semantics(d: dict, source: str):
+    """Refuse HF settings that would change the math this module implements (each key type-checked first,
+    so a list where an object belongs is an error, not a traceback)."""
     for key, types in _HF_KEY_TYPES.items():
         if key in d and not isinstance(d[key], types):
             raise ValueError(
@@ -1237,16 +1214,10 @@ def _check_hf_types(d: dict, source: str):
     eos = d.get("eos_token_id")
     if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
         raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
-
-
-def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements."""
-    _check_hf_types(d, source)
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
-    rope_scaling = d.get("rope_scaling")
-    if rope_scaling not in (None, {}) and (rope_scaling or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: key 'rope_scaling' = {rope_scaling!r}; only plain RoPE is implemented")
+    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
     if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
         raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
     if d.get("attention_bias"):
@@ -1255,10 +1226,8 @@ def _check_hf_semantics(d: dict, source: str):
 
 def _is_finite_number(v) -> bool:
     """An int or float (not a bool) that is finite; an int too large for a float is not."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
     try:
-        return math.isfinite(v)
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     except OverflowError:
         return False
 
@@ -1302,12 +1271,18 @@ def check_config(kw: dict) -> None:
 
 
 def _build_config(kw: dict, source: str) -> Config:
-    """Config(**kw) once `check_config` passes, its errors naming `source`, and refused before any
-    allocation if too large."""
+    """Config(**kw) once `check_config` passes and its model fits MAX_MODEL_BYTES; errors name `source`."""
     try:
         check_config(kw)
         cfg = Config(**kw)
-        _check_config_size(cfg)
+        need = _config_bytes(cfg)  # refused before anything is allocated
+        if sum(need.values()) > MAX_MODEL_BYTES:
+            parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
+            raise ValueError(
+                f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
+                f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
+                f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
+            )
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
     return cfg
@@ -1338,29 +1313,22 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
 def config_from_dict(d: dict, source: str = "<dict>") -> Config:
     """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
     typo would change the model unnoticed). Also `Config.from_dict`."""
-    if is_hf_config(d):
-        return config_from_hf(d, source)
     if not isinstance(d, dict):
         raise ValueError(f"{source}: a config must be a JSON object")
+    if "model_type" in d or "architectures" in d:
+        return config_from_hf(d, source)
     known = {f.name for f in dataclasses.fields(Config)}
-    for key in d:
-        if key not in known:
-            raise ValueError(f"{source}: unknown config key {key!r} (known: {', '.join(sorted(known))})")
+    if unknown := [key for key in d if key not in known]:
+        raise ValueError(f"{source}: unknown config key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     return _build_config(d, source)
 
 
 def config_to_hf(cfg: Config) -> dict:
     """The HF Ouro config.json of a model (so HF's own code can load what we save)."""
-    d = dataclasses.asdict(cfg)
-    d.update(
-        model_type="ouro",
-        architectures=["OuroForCausalLM"],
-        hidden_act="silu",
-        rope_scaling=None,
-        use_sliding_window=False,
-        attention_dropout=0.0,
-    )
-    return d
+    return dataclasses.asdict(cfg) | dict(
+        model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu", rope_scaling=None,
+        use_sliding_window=False, attention_dropout=0.0,
+    )  # fmt: skip
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -1408,8 +1376,7 @@ def _index_shards(index: Path) -> list[str]:
     wm = d.get("weight_map") if isinstance(d, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise ValueError(f"{index}: not a safetensors index (needs a non-empty object 'weight_map')")
-    bad = [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]
-    if bad:
+    if bad := [(k, v) for k, v in wm.items() if not isinstance(v, str) or not v]:
         raise ValueError(f"{index}: 'weight_map' maps {bad[0][0]!r} to {bad[0][1]!r}, not a file name")
     folder = index.parent.resolve()
     for f in sorted(set(wm.values())):
@@ -1428,9 +1395,7 @@ _SAFETENSORS_DTYPES = {
 
 
 @dataclass
-class _StoredTensor:
-    """Where one tensor lies in a safetensors file: what its header says, nothing read yet."""
-
+class _StoredTensor:  # where one tensor lies in a safetensors file, as its header says (nothing read yet)
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -1439,12 +1404,9 @@ class _StoredTensor:
 
 
 def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
-    """The tensors of one safetensors file, from its header alone.
-
-    safetensors validates the file first (header, dtypes, offsets, sizes; it maps the file without reading
-    its data), so a corrupt file gets the error message it always got; then the header is read again here
-    for the byte offsets, which safetensors does not expose.
-    """
+    """The tensors of one safetensors file, from its header alone. safetensors validates the file first
+    (without reading its data), so a corrupt file gets safetensors' message; then the header is read again
+    here for the byte offsets, which safetensors does not expose."""
     st = _safetensors()
     try:
         with st.safe_open(str(file), framework="pt"):
@@ -1465,19 +1427,14 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order.
-
-    A tensor is read straight into `into[name]` when given (a contiguous CPU tensor of the stored dtype
-    and shape: no copy at all), else into a new CPU tensor that the caller drops before the next.
-    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory
-    until it is closed, which would add a whole shard to the peak.
-    """
-    by_file: dict[Path, list[str]] = {}
-    for name, t in stored.items():
-        by_file.setdefault(t.file, []).append(name)
-    for file, names in by_file.items():
+    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order: straight
+    into `into[name]` when given (a contiguous CPU tensor of the stored dtype and shape: no copy at all),
+    else into a new CPU tensor that the caller drops before the next.
+    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory until
+    it is closed, which would add a whole shard to the peak."""
+    for file in dict.fromkeys(t.file for t in stored.values()):
         with open(file, "rb") as fh:
-            for name in sorted(names, key=lambda k: stored[k].start):
+            for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
                 t = stored[name]
                 out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
                 buf = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())  # its memory, as bytes
@@ -1492,31 +1449,23 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and summing is ~100x
-    faster than isfinite on CPU (measured on bf16: 0.01 s against 2 s for 50 M elements). Only a sum that is
-    not finite (a NaN or infinity, or finite values overflowing) is checked element by element, in slices
-    (the whole tensor's mask would be one more byte per element)."""
+    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and ~100x faster on
+    CPU (bf16, 50 M elements: 0.01 s against 2 s). Only a sum that is not finite (finite values can overflow
+    too) is checked element by element, in slices (a whole mask would cost a byte per element)."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
-def _meta_model(cfg: Config) -> LoopedLM:
-    """A model of shapes only, on the meta device: no memory, no random init (LoopedLM skips it there).
-    NOTE: nn.Embedding still draws its own init, and torch runs normal_ on the meta device through its
-    Python reference kernels, importing its compiler on first use (measured: 3 s and 60 MB); that draw
-    would be thrown away, so it is skipped while the model is built."""
-    normal_ = nn.init.normal_
-    nn.init.normal_ = lambda tensor, *args, **kwargs: tensor
+def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
+    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), and left
+    uninitialised (fill it before use): built on the meta device, where LoopedLM skips its init, then given
+    memory. NOTE: nn.Embedding still draws its own init, which torch runs on the meta device through Python
+    reference kernels that import its compiler (measured: 3 s and 60 MB); that draw is skipped here."""
+    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
     try:
         with torch.device("meta"):
-            return LoopedLM(cfg)
+            model = LoopedLM(cfg)
     finally:
         nn.init.normal_ = normal_
-
-
-def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model whose parameters are allocated once, in `dtype` on `device`, and left uninitialised: built
-    on the meta device (shapes only), then given memory. Fill it before use."""
-    model = _meta_model(cfg)
     for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
         for name, p in module.named_parameters(recurse=False):
             setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
@@ -1527,16 +1476,13 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index).
-
-    Lean: the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read from
-    the file straight into its parameter when the dtypes agree, else through one temporary tensor and the
-    same cast as ever (so a float64 file keeps its bits in a float64 model). Peak memory: the model plus
-    the largest tensor. Refused with every culprit listed, in this order: tensors that are not floating
-    point, tensors holding NaN or infinities, then missing, unexpected and misshapen tensors.
-    NOTE: that order is the one the checks always had, so a checkpoint with several faults gets the same
-    message as before; it costs a read of every tensor before a name mismatch is reported.
-    """
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index), lean:
+    the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read straight into
+    its parameter when the dtypes agree, else through one temporary tensor and a cast (a float64 file keeps
+    its bits in a float64 model); peak memory: the model plus the largest tensor. Refused with every culprit
+    listed, in the order the checks always had (so several faults give the same message as ever, at the cost
+    of reading every tensor before a name mismatch is reported): tensors not floating point, tensors holding
+    NaN or infinities, then missing, unexpected and misshapen tensors."""
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -1546,15 +1492,14 @@ def load_checkpoint(
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    stored: dict[str, _StoredTensor] = {}
-    for f in files:
-        stored.update(_stored_tensors(path / f))  # a name in two shards: the later file's tensor, as ever
+    # a name in two shards: the later file's tensor, as ever
+    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}
     not_float = sorted(
         f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
     if not_float:  # a cast would make up weights
         raise ValueError(f"{path}: checkpoint tensors must be floating point; these are not: {not_float}")
-    expected = {k: tuple(v.shape) for k, v in _meta_model(cfg).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in empty_model(cfg, device="meta").state_dict().items()}
     source = {k: k for k in expected if k in stored}  # parameter -> the stored tensor that fills it
     if cfg.tie_word_embeddings and "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored:
         source["lm_head.weight"] = "model.embed_tokens.weight"
@@ -3525,12 +3470,13 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
     return ids[len(prompt) :]
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _timed(device: torch.device, fn: Callable):
+    """(seconds, fn()), the device synchronized on both sides."""
+    _sync(device)
+    t = time.perf_counter()
+    res = fn()
+    _sync(device)
+    return time.perf_counter() - t, res
 
 
 def _reset_peak_memory(device: torch.device) -> None:
@@ -3544,10 +3490,11 @@ def _reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_resident_bytes() -> int:
-    """Peak resident memory since the last `_reset_peak_memory` (VmHWM), interpreter and torch included."""
+def _peak_resident_bytes(since_reset: bool = True) -> int:
+    """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
+    else (or off Linux) over the process's life (ru_maxrss)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -3562,15 +3509,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
     and once written (STREAM's convention). The roofline's bound: decoding reads every weight per call."""
     src = torch.ones(nbytes // 4, device=device)  # (n,) float32
     dst = torch.empty_like(src)
-    best = math.inf
-    for i in range(6):  # copy 0 warms up (page faults)
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        if i:
-            best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    seconds = [_timed(device, lambda: dst.copy_(src))[0] for _ in range(6)]
+    return 2 * nbytes / min(seconds[1:])  # copy 0 warms up (page faults)
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
@@ -3583,10 +3523,9 @@ def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
 
 
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
-    """Bytes of weights and K/V that a rollout's calls read, from its schedule (a lower bound on its memory
-    traffic): every call reads the L layers' weights, the final norm and the exit gate; a call with rows to
-    read out also reads lm_head; attention reads K and V of every layer at positions up to the call's last
-    one, for each sequence in the call."""
+    """Bytes of weights and K/V that a rollout's calls read (a lower bound on its memory traffic): every call
+    reads the layers, the final norm and the exit gate, lm_head if it reads rows out, and for each of its
+    sequences K and V of every layer at positions up to its last one."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
     per_call = b * sum(p.numel() for m in body for p in m.parameters())
@@ -3603,81 +3542,9 @@ def _fmt_bytes(n: float) -> str:
     return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
 
 
-def _memory_total(args, device: torch.device) -> int:
-    """--memory-gb, else the device's memory (CUDA) or the machine's physical memory (CPU), in bytes."""
-    if args.memory_gb is not None:
-        return int(args.memory_gb * 1e9)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 # A measurement's table rows (what, text) and its summary figures, keyed without the dtype's suffix.
 Measured = tuple[list[tuple[str, str]], dict]
-
-
-@dataclass
-class _BenchSetup:
-    """What every measurement of `bench` shares: the flags, the prompts, the machine's figures."""
-
-    args: argparse.Namespace
-    device: torch.device
-    cfg: Config
-    dtypes: tuple[str, ...]
-    batches: tuple[int, ...]
-    threshold: float
-    gate_bias: float | None  # None: the checkpoint's own
-    prompts: list[list[int]]  # max(8, batches) short prompts of 8..16 tokens
-    cache_prompt: list[int]  # the KV-cache comparison's long prompt
-    bandwidth: float  # bytes/s, a measured copy
-    slowdown: dict[str, float] | None  # bf16 over float32 matmul (None: no bfloat16 benched)
-    base: LoopedLM | None  # the toy's weights, which every dtype loads (None with --model)
-
-    @property
-    def real(self) -> bool:  # --model: a checkpoint's shapes, where some measurements shrink (see cmd_bench)
-        return self.args.model is not None
-
-
-def _bench_setup(args) -> _BenchSetup:
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    real = args.model is not None
-    cfg = load_config(Path(args.model) / "config.json") if real else load_config(args.config)
-    dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
-    batches = (args.batch,) if args.batch else ((1,) if real else (1, 8))
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(0, min(256, cfg.vocab_size), (int(n),), generator=gen).tolist()
-        for n in torch.randint(8, 17, (max(8, *batches),), generator=gen)
-    ]
-    cache_prompt = torch.randint(0, min(256, cfg.vocab_size), (args.cache_prompt,), generator=gen).tolist()
-    bandwidth = copy_bandwidth(device)  # before any model, so its buffers count in no phase's peak
-    slowdown = bf16_slowdown(cfg, device) if "bfloat16" in dtypes else None
-    threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
-    gate_bias = 1.0 if args.gate_bias is None and not real else args.gate_bias
-    base = None if real else LoopedLM(cfg, seed=args.seed)
-    if base is not None:
-        _set_gate_bias(base, gate_bias)
-    return _BenchSetup(
-        args, device, cfg, dtypes, batches, threshold, gate_bias, prompts, cache_prompt, bandwidth, slowdown, base
-    )
-
-
-def _bench_rollout(
-    s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
-) -> Rollout:
-    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled from --seed or
-    greedy."""
-    policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
-    return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
-
-
-def _timed(device: torch.device, fn: Callable):
-    """(seconds, fn()), the device synchronized on both sides."""
-    _sync(device)
-    t = time.perf_counter()
-    res = fn()
-    _sync(device)
-    return time.perf_counter() - t, res
+Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
 def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
@@ -3686,22 +3553,36 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
             model.model.early_exit_gate.bias.fill_(bias)
 
 
-def _load_bench_model(s: _BenchSetup, dtype: torch.dtype) -> tuple[LoopedLM, dict]:
-    """The model in `dtype`, and the load's figures: seconds, peak resident (and device) bytes, weight bytes."""
-    _reset_peak_memory(s.device)
-    if s.real:
-        t_load, model = _timed(s.device, lambda: LoopedLM.from_pretrained(s.args.model, dtype=dtype, device=s.device))
-        _set_gate_bias(model, s.gate_bias)
-    else:
-        t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
-        model.load_state_dict(s.base.state_dict())
-    load = {
-        "seconds": t_load,
-        "peak": _peak_resident_bytes(),
-        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
-        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
-    }
-    return model, load
+class _BenchSetup:
+    """What every measurement of `bench` shares: the flags, the config, the prompts, the machine's figures
+    and (toy) the weights that every dtype loads."""
+
+    def __init__(self, args):
+        self.args, self.real = args, args.model is not None  # real: a checkpoint's shapes, where some measures shrink
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device = torch.device(auto if args.device == "auto" else args.device)
+        self.cfg = cfg = load_config(Path(args.model) / "config.json" if self.real else args.config)
+        self.dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
+        self.batches = (args.batch,) if args.batch else ((1,) if self.real else (1, 8))
+        gen, V = torch.Generator().manual_seed(args.seed), min(256, cfg.vocab_size)
+        lengths = torch.randint(8, 17, (max(8, *self.batches),), generator=gen)
+        self.prompts = [torch.randint(0, V, (int(n),), generator=gen).tolist() for n in lengths]  # short ones
+        self.cache_prompt = torch.randint(0, V, (args.cache_prompt,), generator=gen).tolist()  # the cache test's
+        self.bandwidth = copy_bandwidth(device)  # bytes/s; before any model, so its buffers count in no peak
+        self.slowdown = bf16_slowdown(cfg, device) if "bfloat16" in self.dtypes else None  # bf16 over fp32 matmul
+        self.threshold = cfg.early_exit_threshold if args.exit_threshold is None else args.exit_threshold
+        self.gate_bias = 1.0 if args.gate_bias is None and not self.real else args.gate_bias  # None: the model's
+        self.base = None if self.real else LoopedLM(cfg, seed=args.seed)
+        if self.base is not None:
+            _set_gate_bias(self.base, self.gate_bias)
+
+
+def _bench_rollout(
+    s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
+) -> Rollout:
+    """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled or greedy."""
+    policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
+    return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
 
 
 def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
@@ -3713,21 +3594,17 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
     return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
 
 
-def _time_rollouts(s: _BenchSetup, model: LoopedLM, batch: list[list[int]]) -> dict[str, tuple[Rollout, list[float]]]:
-    """Dense and deferred rollouts of a batch, --repeats times each, alternating so that drift hits both
-    alike: per mode, the last rollout and the times."""
-    run = {m: (lambda m=m: _bench_rollout(s, model, batch, m)) for m in ("dense", "deferred")}
-    run["deferred"]()  # warm-up
+def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
+    """Dense and deferred rollouts of B prompts, --repeats times each, alternating so that drift hits both
+    alike: tokens per second against the ideal (their ratio of calls), and the roofline, the share of the copy
+    bandwidth each reaches (decoding reads every weight once per call, so a rollout can go no faster than its
+    bytes / the bandwidth; prefill included: a few calls of a few rows). Also returns the runs."""
+    _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
-        for m in ("dense", "deferred"):
-            dt, ro = _timed(s.device, run[m])
+        for m in runs:
+            dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:B], m))
             runs[m] = (ro, runs[m][1] + [dt])
-    return runs
-
-
-def _rollout_speed(B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
-    """Dense against deferred tokens per second at batch B, against the ideal (their ratio of calls)."""
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
     tokens = int(ro_def.mask.sum())
     med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
@@ -3735,33 +3612,24 @@ def _rollout_speed(B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Meas
     ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
     mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
     same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
-    text = (
+    speed = (
         f"dense {tokens / med_dense:.1f} tok/s, deferred {tokens / med_def:.1f} tok/s: x{speedup:.2f} (ideal "
         f"x{ideal:.2f}, {100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops dense "
         f"{ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; same tokens and exit loops: {same}"
     )
-    figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
-    return [(f"rollout b={B}", text)], figures
-
-
-def _roofline(s: _BenchSetup, model: LoopedLM, B: int, runs: dict[str, tuple[Rollout, list[float]]]) -> Measured:
-    """The share of the copy bandwidth each rollout reaches: decoding reads every weight once per call, so a
-    rollout can go no faster than its bytes / the bandwidth. Prefill is included (short prompts: a few
-    calls of a few rows)."""
-    tokens = int(runs["deferred"][0].mask.sum())
     read = {m: rollout_bytes(model, ro) for m, (ro, _) in runs.items()}
     fraction = {m: read[m] / statistics.median(t) / s.bandwidth for m, (_, t) in runs.items()}
-    text = (
+    roofline = (
         f"reads per token (weights + KV, prefill included): dense {_fmt_bytes(read['dense'] / tokens)}, deferred "
         f"{_fmt_bytes(read['deferred'] / tokens)}; at the copy bandwidth {s.bandwidth / 1e9:.1f} GB/s that is "
         f"{100 * fraction['dense']:.0f}% (dense) and {100 * fraction['deferred']:.0f}% (deferred) of the bound"
     )
-    return [(f"roofline b={B}", text)], {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+    figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
+    figures |= {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+    return runs, ([(f"rollout b={B}", speed), (f"roofline b={B}", roofline)], figures)
 
 
-def _replay_vs_rollout(
-    s: _BenchSetup, model: LoopedLM, runs: dict[str, tuple[Rollout, list[float]]]
-) -> tuple[Rollout, list[float], Measured]:
+def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
     """Replay against a deferred rollout (toy: batch 8), and whether replay equals the rollout (and the
     dense one) bitwise. With --model the rollouts timed last serve: at 1.4 B parameters each costs seconds.
     Also returns the deferred rollout and the rollout's times, which the learner's figures reuse."""
@@ -3783,13 +3651,12 @@ def _replay_vs_rollout(
 
 def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[float]) -> Measured:
     """Teacher-forced forward + backward per token, and (toy) a whole GRPO step split in three."""
-    tokens = int(ro.mask.sum())
     fb = []
     for _ in range(1 if s.real else s.args.repeats):  # --model: one run (tens of seconds at 1.4 B on a CPU)
         model.zero_grad()
         dt, _ = _timed(s.device, lambda: (teacher_forced_logprobs(model, ro) * ro.mask.to(s.device)).sum().backward())
         fb.append(dt)
-    text = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / tokens:.2f} ms/token"
+    text = f"teacher-forced fwd+bwd {1e3 * statistics.median(fb) / int(ro.mask.sum()):.2f} ms/token"
     if s.real:
         model.zero_grad(set_to_none=True)  # the gradients are a copy of the weights: free them
         text += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
@@ -3840,11 +3707,17 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
 
 
 def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
-    """The KV cache per token and what fits beside the weights; the peaks of the load and of the run."""
+    """The KV cache per token and what fits beside the weights (in --memory-gb, else the device's memory or
+    the machine's); the peaks of the load and of the run."""
     cfg, weights = s.cfg, load["weights"]
     kv = kv_cache_bytes_per_token(cfg, dtype)
     lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
-    memory = _memory_total(s.args, s.device)
+    if s.args.memory_gb is not None:
+        memory = int(s.args.memory_gb * 1e9)
+    elif s.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(s.device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     fit = max(0, memory - weights) // kv["total"]
     cache = (
         f"{kv['kv']:,} bytes per token (2 x {cfg.num_key_value_heads} KV heads x {cfg.head_dim} x "
@@ -3873,52 +3746,48 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
 
 
 def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order (the model is freed on return)."""
+    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return,
+    before the next dtype's load is measured)."""
     dtype = DTYPES[dtype_name]
-    model, load = _load_bench_model(s, dtype)
+    _reset_peak_memory(s.device)
+    if s.real:
+        t_load, model = _timed(s.device, lambda: LoopedLM.from_pretrained(s.args.model, dtype=dtype, device=s.device))
+        _set_gate_bias(model, s.gate_bias)
+    else:
+        t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
+        model.load_state_dict(s.base.state_dict())
+    load = {
+        "seconds": t_load,
+        "peak": _peak_resident_bytes(),
+        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
+        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
+    }
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
-        runs = _time_rollouts(s, model, s.prompts[:B])
-        measured += [_rollout_speed(B, runs), _roofline(s, model, B, runs)]
+        runs, speed = _rollout_speed(s, model, B)
+        measured.append(speed)
     ro, rollout_times, replay = _replay_vs_rollout(s, model, runs)
     measured += [replay, _learner(s, model, ro, rollout_times), _naive_vs_hybrid(model, ro)]
-    measured += [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
-    return measured
+    return measured + [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput, replay and learner cost, the cache, and the mismatch the hybrid
-    removes, in bfloat16 and float32 (or --dtype). Alternating repeats, medians. Also: the roofline (the
-    memory bandwidth a rollout reaches against a measured copy), the KV cache's bytes per token and what
-    fits in memory, peak memory of the load and of the run, and bf16 against float32 matmul speed.
-
-    --model DIR benches a real checkpoint's shapes (loaded lean); there the whole GRPO step is skipped (its
-    AdamW state is two more copies of the weights) and the KV-cache comparison shrinks to the short prompt
-    and --new-tokens. The output says so.
-    """
-    s = _bench_setup(args)
-    rows, summary = [], {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
-
-    def add(dtype_name: str, suffix: str, measured: list[Measured]) -> None:
-        for part_rows, figures in measured:
-            rows.extend((dtype_name, what, text) for what, text in part_rows)
-            summary.update({key + suffix: value for key, value in figures.items()})
-
-    if s.slowdown is not None:
-        add("bfloat16", "", [_bf16_matmul(s.slowdown)])
+    """Dense vs deferred throughput and its roofline, replay and learner cost, the KV cache, memory and the
+    mismatch the hybrid removes, in bfloat16 and float32 (or --dtype): a table, then its figures as one JSON
+    line. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line lists."""
+    s = _BenchSetup(args)
+    measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
-        add(dtype_name, "" if dtype_name == "bfloat16" else "_fp32", _bench_dtype(s, dtype_name))
-    summary["peak_memory_mb"] = round(_peak_memory_mb(s.device), 1)
-    _print_bench(s, rows, summary)
-    return 0
-
-
-def _print_bench(s: _BenchSetup, rows: list[tuple[str, str, str]], summary: dict) -> None:
-    cfg, args = s.cfg, s.args
+        measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
+    peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
+    summary = {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
+    for dtype_name, (_, figures) in measured:
+        summary |= {key + ("" if dtype_name == "bfloat16" else "_fp32"): value for key, value in figures.items()}
+    summary["peak_memory_mb"] = round(peak / 2**20, 1)
     print(
-        f"bench: {args.model if s.real else args.config} (R={cfg.total_ut_steps}, L={cfg.num_hidden_layers}, "
-        f"C={cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
+        f"bench: {args.model if s.real else args.config} (R={s.cfg.total_ut_steps}, L={s.cfg.num_hidden_layers}, "
+        f"C={s.cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
         f"median of {args.repeats}, gate bias {'unchanged' if s.gate_bias is None else s.gate_bias}, "
         f"exit threshold {s.threshold}"
     )
@@ -3928,10 +3797,12 @@ def _print_bench(s: _BenchSetup, rows: list[tuple[str, str, str]], summary: dict
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
             "--new-tokens, not --cache-prompt + --cache-tokens)"
         )
-    for dt_name, what, text in rows:
-        print(f"  {dt_name:<9} {what:<26} {text}")
+    for dtype_name, (rows, _) in measured:
+        for what, text in rows:
+            print(f"  {dtype_name:<9} {what:<26} {text}")
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
     print(json.dumps(summary))
+    return 0
 
 
 # --- Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them ---
