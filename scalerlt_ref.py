@@ -1605,8 +1605,7 @@ Config.from_json = staticmethod(load_config)
 class ByteTokenizer:
     """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259); no chat template."""
 
-    bos_id, eos_id, pad_id = 256, 257, 258
-    vocab_size = 259
+    bos_id, eos_id, pad_id, vocab_size = 256, 257, 258, 259
     stop_ids, chat, config = (257,), None, {}  # as `setup_prompts` sets them on a checkpoint's tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -1637,9 +1636,7 @@ class HFTokenizer:
         self.config = _load_json_limited(_read_text(side, "tokenizer config"), side) if side.exists() else {}
         if not isinstance(self.config, dict):
             raise ValueError(f"{side}: must be a JSON object")
-
-    def token_id(self, text: str) -> int | None:
-        return self._tok.token_to_id(text)
+        self.token_id = self._tok.token_to_id  # text -> its id, None if not one token (<|im_end|>, ...)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -1663,16 +1660,14 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
     try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError, ext, sandbox
     except ImportError:
         raise ImportError("--prompt-format chat needs the optional package jinja2: pip install jinja2") from None
 
     def raise_exception(message):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(x, ensure_ascii=ensure_ascii, **kw)
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
     specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
@@ -1735,11 +1730,9 @@ def gsm8k_answer(text: str) -> float | None:
 
 
 def extract_answer(text: str, lenient: bool = False) -> float | None:
-    """A completion's final answer as a number, or None. The rules, in order (README, Contract §7):
-    1. only the text after the last '</think>' counts; a '<think>' never closed has no answer;
-    2. the last '\\boxed{...}' (nested braces allowed): the last number inside it;
-    3. else the number after the last '####'; 4. else after the last 'answer is';
-    5. else, lenient only, the last number of the text."""
+    """A completion's final answer as a number, or None, by README Contract §7's rules in order: only the text
+    after the last '</think>' counts (a '<think>' never closed has no answer); the last number in the last
+    '\\boxed{...}'; else after the last '####'; else after the last 'answer is'; else (lenient) the last number."""
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
     elif "<think>" in text:
@@ -1758,9 +1751,8 @@ def extract_answer(text: str, lenient: bool = False) -> float | None:
 
 
 def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
-    """1.0 if the completion's answer (`extract_answer`; "lenient" adds its last number as a fallback) equals
-    the reference's, else 0.0. The reference is a GSM8K answer ('... #### 18') or a bare number. Compared
-    as numbers: '18.00' equals '18', '$1,000' equals '1000'."""
+    """1.0 if the completion's answer (`extract_answer`) equals the reference's (a GSM8K answer '... #### 18' or a
+    bare number) as numbers ('18.00' equals '18', '$1,000' equals '1000'), else 0.0."""
     nums = re.findall(_NUMBER, reference)
     gold = gsm8k_answer(reference) if "####" in reference else _to_number(nums[-1]) if nums else None
     if gold is None:
@@ -1798,11 +1790,8 @@ def _check_text(text: str, where: str, key: str) -> str:
 
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
-    """Read GSM8K JSONL ({"question", "answer": "... #### 18"}); a seeded random subset of N problems.
-
-    Returns dicts with "question", "answer", "index" (0-based line). Bad lines are an error naming the
-    file and the 1-based line.
-    """
+    """GSM8K JSONL ({"question", "answer": "... #### 18"} a line) as dicts with "question", "answer", "index"
+    (0-based), or a seeded random subset of them. A bad line is a ValueError naming it."""
     path = Path(path)
     rows = []
     for lineno, d in read_jsonl(path):
@@ -1830,18 +1819,13 @@ _THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups"
 
 
 def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
-    """n GSM8K-format word problems (addition and subtraction) with gold answers, from a seed.
-
-    Example: {"question": "Ann has 7 pens and gets 5 more. How many pens?",
-              "answer": "7+5=12\\n#### 12"}.
-    """
+    """n GSM8K-format word problems (addition and subtraction) from a seed, such as
+    {"question": "Ann has 7 pens and gets 5 more. How many pens?", "answer": "7+5=12\\n#### 12", "index": 0}."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        name, thing = (
-            _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))],
-            _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))],
-        )
+        name = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))]
+        thing = _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
         a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
         if bool(torch.rand((), generator=gen) < 0.5):
             q, expr, ans = f"{name} has {a} {thing} and gets {b} more. How many {thing}?", f"{a}+{b}", a + b
@@ -1861,22 +1845,17 @@ def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
 
 
 def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
-    """The compute-aware reward: the task reward minus loop_cost x the sequence's mean exit loop (a
-    sequence with no tokens costs nothing). With sampled exits GRPO then trades accuracy against depth;
-    loop_cost 0 is plain GRPO (the task reward, unchanged)."""
+    """The compute-aware reward: the task reward minus loop_cost x the sequence's mean exit loop (none for no
+    tokens). With sampled exits GRPO then trades accuracy against depth; loop_cost 0 is plain GRPO."""
     if loop_cost == 0 or not exit_loops:
         return task_reward
     return task_reward - loop_cost * sum(exit_loops) / len(exit_loops)
 
 
-def format_prompt(question: str) -> str:
-    return f"Q: {question}\nA: "
-
-
 def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids, gold completion ids ending in the first stop id) of a problem; the prompt is `format_prompt`'s,
+    """(prompt ids, gold completion ids ending in the first stop id) of a problem; the prompt is "Q: ...\\nA: ",
     or the chat template's under --prompt-format chat (`setup_prompts`)."""
-    prompt = tok.chat(problem["question"]) if tok.chat else format_prompt(problem["question"])
+    prompt = tok.chat(problem["question"]) if tok.chat else f"Q: {problem['question']}\nA: "
     return tok.encode(prompt), tok.encode(problem["answer"]) + [tok.eos_id]
 
 
