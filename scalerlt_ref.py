@@ -1862,18 +1862,6 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
 # --- Warm start and evaluation ----------------------------------------------------------------------
 
 
-def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
-
-    p_r = lam_r * prod_{j<r}(1 - lam_j) for r < R, and p_R takes the rest. The rule above exits where the
-    CDF of this distribution first reaches the threshold; Ouro's objective (the warm start) weights each
-    loop's loss by p_r.
-    """
-    lam = torch.sigmoid(gate_logits.float())  # (R, ...)
-    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
-    return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
-
-
 @dataclass
 class LoopOutputs:
     logits: torch.Tensor  # (R, B, T, V) readout of every loop, in the model dtype
@@ -1881,11 +1869,8 @@ class LoopOutputs:
 
 
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-    """The plain forward pass: every loop of every position, teacher-forced (the warm start's and the tests').
-
-    idx (B, T) long -> LoopOutputs: logits (R, B, T, V), gate_logits (R, B, T). Loop r is one pass
-    of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
-    """
+    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's
+    logits (R, B, T, V) and gate logits (R, B, T); loop r passes all B*T rows through the layers with its own K/V."""
     cfg, (B, T) = model.config, idx.shape
     seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
     pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
@@ -1902,14 +1887,14 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
-
-    out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
-    bool. p(r|x) is the exit distribution of the gates (`exit_distribution`, above).
-    The entropy bonus keeps the gate from collapsing onto one depth.
-    """
+    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens. out:
+    `loop_outputs` of the inputs; targets (B, T) long, the next tokens; mask (B, T) bool. p is Ouro's exit
+    distribution, p_r = lam_r * prod_{j<r}(1 - lam_j) and p_R the rest, whose CDF the exit rule compares; the
+    entropy bonus keeps the gate from collapsing onto one depth."""
     R = out.logits.shape[0]
-    p = exit_distribution(out.gate_logits)  # (R, B, T), sums to 1 over loops
+    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
+    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T), sums to 1 over loops
     ce = F.cross_entropy(
         out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(), reduction="none"
     ).view_as(p)  # (R, B, T)
@@ -1919,16 +1904,7 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 
 
 def sft_warm_start(
-    model: LoopedLM,
-    tok,
-    problems: list[dict],
-    *,
-    steps: int,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    beta: float = 0.05,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
+    model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, beta=0.05, seed=0, log=print
 ) -> float:
     """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
     last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
@@ -1938,16 +1914,11 @@ def sft_warm_start(
     for step in range(steps):
         pick = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
         pairs = [encode_problem(tok, problems[i]) for i in pick]
-        T = max(len(p) + len(c) for p, c in pairs) - 1
-        inputs = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T) right-padded
-        targets = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(batch_size, T, dtype=torch.bool)  # (B, T) completion tokens only
-        for b, (p, c) in enumerate(pairs):
-            seq = torch.tensor(p + c)
-            inputs[b, : len(seq) - 1], targets[b, : len(seq) - 1] = seq[:-1], seq[1:]
-            mask[b, len(p) - 1 : len(seq) - 1] = True
-        out = loop_outputs(model, inputs.to(model.device))
-        loss = ouro_loss(out, targets.to(model.device), mask.to(model.device), beta)
+        seqs = [torch.tensor(p + c) for p, c in pairs]  # each ends in tok.eos_id, so it pads them too
+        seqs = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.eos_id).to(model.device)
+        t = torch.arange(seqs.shape[1] - 1, device=model.device)  # (T,) input positions
+        mask = torch.stack([(len(p) - 1 <= t) & (t < len(p) + len(c) - 1) for p, c in pairs])  # (B, T) completions
+        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask, beta)  # next-token targets
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1959,31 +1930,18 @@ def sft_warm_start(
 
 @torch.no_grad()
 def evaluate(
-    model: LoopedLM,
-    tok,
-    problems: list[dict],
-    policy: Policy = Policy(),
-    *,
-    max_new_tokens: int = 16,
-    batch_size: int = 100,
-    seed: int = 0,
+    model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
     """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the
     histogram of exit loops over generated tokens, their mean, and the rollouts' speed (generated tokens
     per second of rollout time). Tokens are greedy; exits follow the policy's exit policy (sampled: drawn
     from each sequence's generator seeded by `seed`, so the same weights give the same exits)."""
     correct, hist, seconds = [], [0] * model.config.total_ut_steps, 0.0
+    greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        t0 = time.perf_counter()
-        ro = rollout(
-            model,
-            [encode_problem(tok, p)[0] for p in chunk],
-            dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids),
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            sequence_ids=list(range(i, i + len(chunk))),
-        )
+        chunk, t0 = problems[i : i + batch_size], time.perf_counter()
+        prompts, ids = [encode_problem(tok, p)[0] for p in chunk], list(range(i, i + len(chunk)))
+        ro = rollout(model, prompts, greedy, max_new_tokens=max_new_tokens, seed=seed, sequence_ids=ids)
         seconds += time.perf_counter() - t0
         for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
             correct.append(gsm8k_score(tok.decode(c), p["answer"]))
