@@ -1976,13 +1976,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a
-# temperature, learning rate, KL or loop-cost weight that large overflows (or flattens) everything after
-# hours of work, while an --atol or --flip-margin that large passes any engine. The bounds are far beyond
-# any sensible value: temperature 100 (typical logits divided by 100 are already uniform to a few parts
-# in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop cost (the
-# task reward lies in [0, 1]), atol 1000 nats (e^-1000 underflows even float64), flip margin 1 (a CDF
-# minus a threshold in [0, 1]).
+# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature,
+# learning rate, KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an
+# --atol or --flip-margin that large passes any engine. The bounds are far beyond any sensible value: temperature
+# 100 (typical logits divided by 100 are already uniform to a few parts in a thousand), lr 1 (an AdamW step moves
+# every weight by ~lr), 1000 for beta and the loop cost (the task reward lies in [0, 1]), atol 1000 nats (e^-1000
+# underflows even float64), flip margin 1 (a CDF minus a threshold in [0, 1]).
 
 
 def _flag(default, help: str, **meta):
@@ -2061,10 +2060,10 @@ def check_flags(flags) -> None:
 
 
 def _check_out(path: str, kind: str, flag: str = "--out") -> None:
-    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and
-    removing a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
+    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and removing
+    a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
     p = Path(path)
-    if p.exists() and (p.is_dir() if kind == "file" else not p.is_dir()):
+    if p.exists() and p.is_dir() != (kind == "folder"):
         raise ValueError(f"{flag}: {p} exists and is not a {kind}")
     probe_dir = p if kind == "folder" else p.parent
     while not probe_dir.exists():
@@ -2081,8 +2080,6 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
 
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
 
-BF16_SLOW = 3.0  # warn when a bfloat16 matmul is more than this many times slower than a float32 one
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -2090,16 +2087,12 @@ def _sync(device: torch.device) -> None:
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower bfloat16 matmul is than float32 here, at this model's MLP shape (C -> I), for
-    1 row (a decoding call) and 32 rows (prefill, the learner): measured now, in well under a second at
-    Ouro-1.4B's shapes. Returns {"rows_1": ratio, "rows_32": ratio, "worst": the larger}.
-
-    CPUs without native bf16 (x86 without AVX512_BF16 or AMX) convert in software: an AVX2-only EPYC
-    trained 36x slower in bf16. Tiny shapes pay bf16's larger per-call overhead instead.
-    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads
-    wait for each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul).
-    The ratio is a property of the instruction set, which one thread shows as well as many.
-    """
+    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape (C -> I), for 1
+    row (a decoding call) and 32 rows (prefill, the learner), measured now (under a second at Ouro-1.4B's shapes):
+    {"rows_1": ratio, "rows_32": ratio, "worst": the larger}. Why: README, "bfloat16 needs a CPU that has it".
+    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads wait for
+    each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul). The ratio is a
+    property of the instruction set, which one thread shows as well as many."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
@@ -2131,7 +2124,7 @@ def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, 
 
 def bf16_warning(ratios: dict[str, float]) -> str | None:
     """A one-line warning when bfloat16 is much slower than float32 here (None when it is not)."""
-    if ratios["worst"] <= BF16_SLOW:
+    if ratios["worst"] <= 3.0:  # warn only when bfloat16 is more than 3x slower
         return None
     return (
         f"warning: a bfloat16 matmul is {ratios['worst']:.1f}x slower than a float32 one on this machine at "
