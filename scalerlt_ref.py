@@ -1652,9 +1652,8 @@ def _tokenizer(model_dir: str | None):
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
-    """question -> its prompt in the checkpoint's chat template (tokenizer_config.json), rendered as HF's
-    `apply_chat_template` does (sandboxed jinja2, trim and lstrip blocks, one user turn, add_generation_prompt,
-    the special tokens); `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it."""
+    """question -> its prompt in the checkpoint's chat template, rendered as HF's `apply_chat_template` does
+    (README §7; `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it)."""
     template = tok.config.get("chat_template")
     if not isinstance(template, str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
@@ -1688,10 +1687,8 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
 
 
 def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
-    """Resolved once, where a model and its tokenizer are loaded: how prompts are written (`tok.chat`, under
-    --prompt-format chat) and which ids stop a sequence (`tok.stop_ids`; the first, `tok.eos_id`, ends the
-    warm start's gold answers): --stop-ids, else the checkpoint's generation_config.json eos_token_id (an int
-    or a list), else config.json's, else `fallback`; plus <|im_end|> under chat and rollout's --eos-id."""
+    """Resolved once, where a model and its tokenizer load: how prompts are written (`tok.chat`) and which ids stop
+    a sequence (`tok.stop_ids`; the first is `tok.eos_id`), in README §7's order (`fallback`: after config.json's)."""
     chat = flags.prompt_format == "chat"
     tok.chat = chat_renderer(tok, flags.thinking) if chat else None
     gen = Path(flags.model or ".") / "generation_config.json"
@@ -1730,9 +1727,8 @@ def gsm8k_answer(text: str) -> float | None:
 
 
 def extract_answer(text: str, lenient: bool = False) -> float | None:
-    """A completion's final answer as a number, or None, by README Contract §7's rules in order: only the text
-    after the last '</think>' counts (a '<think>' never closed has no answer); the last number in the last
-    '\\boxed{...}'; else after the last '####'; else after the last 'answer is'; else (lenient) the last number."""
+    """A completion's final answer as a number, or None, by README §7's rules in order: only the text after the last
+    '</think>' counts; the last '\\boxed{...}'; '####'; 'answer is'; lenient only, the last number of the text."""
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
     elif "<think>" in text:
@@ -1751,8 +1747,7 @@ def extract_answer(text: str, lenient: bool = False) -> float | None:
 
 
 def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
-    """1.0 if the completion's answer (`extract_answer`) equals the reference's (a GSM8K answer '... #### 18' or a
-    bare number) as numbers ('18.00' equals '18', '$1,000' equals '1000'), else 0.0."""
+    """1.0 if the completion's answer (`extract_answer`) equals, as a number, the reference's ('... #### 18' or 18)."""
     nums = re.findall(_NUMBER, reference)
     gold = gsm8k_answer(reference) if "####" in reference else _to_number(nums[-1]) if nums else None
     if gold is None:
@@ -1790,8 +1785,7 @@ def _check_text(text: str, where: str, key: str) -> str:
 
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
-    """GSM8K JSONL ({"question", "answer": "... #### 18"} a line) as dicts with "question", "answer", "index"
-    (0-based), or a seeded random subset of them. A bad line is a ValueError naming it."""
+    """GSM8K JSONL (README §7) as dicts with "question", "answer", "index" (0-based), or a seeded random subset."""
     path = Path(path)
     rows = []
     for lineno, d in read_jsonl(path):
@@ -1819,8 +1813,7 @@ _THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups"
 
 
 def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
-    """n GSM8K-format word problems (addition and subtraction) from a seed, such as
-    {"question": "Ann has 7 pens and gets 5 more. How many pens?", "answer": "7+5=12\\n#### 12", "index": 0}."""
+    """n GSM8K-format problems from a seed: "Ann has 7 pens and gets 5 more. How many pens?" -> "7+5=12\\n#### 12"."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -1837,24 +1830,21 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
 
 
 def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
-    """The training reward: GSM8K correctness ("strict"/"lenient"), or "digits", the share of digit
-    characters in the completion: a smoke-test reward that gives a gradient even to a random model."""
+    """The training reward: a scorer ("strict"/"lenient"), or "digits", the share of digit characters in the
+    completion: a smoke-test reward that gives a gradient even to a random model."""
     if kind == "digits":
         return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
     return gsm8k_score(completion, reference, kind)
 
 
 def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
-    """The compute-aware reward: the task reward minus loop_cost x the sequence's mean exit loop (none for no
-    tokens). With sampled exits GRPO then trades accuracy against depth; loop_cost 0 is plain GRPO."""
-    if loop_cost == 0 or not exit_loops:
-        return task_reward
-    return task_reward - loop_cost * sum(exit_loops) / len(exit_loops)
+    """The task reward minus loop_cost x the sequence's mean exit loop: with sampled exits, GRPO trades accuracy
+    against depth; loop_cost 0 is plain GRPO (and a sequence with no tokens costs nothing)."""
+    return task_reward - loop_cost * sum(exit_loops) / len(exit_loops) if loop_cost and exit_loops else task_reward
 
 
 def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids, gold completion ids ending in the first stop id) of a problem; the prompt is "Q: ...\\nA: ",
-    or the chat template's under --prompt-format chat (`setup_prompts`)."""
+    """(prompt ids, gold completion ids ending in the first stop id): a "qa" prompt, or `tok.chat`'s (README §7)."""
     prompt = tok.chat(problem["question"]) if tok.chat else f"Q: {problem['question']}\nA: "
     return tok.encode(prompt), tok.encode(problem["answer"]) + [tok.eos_id]
 
@@ -1887,17 +1877,13 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens. out:
-    `loop_outputs` of the inputs; targets (B, T) long, the next tokens; mask (B, T) bool. p is Ouro's exit
-    distribution, p_r = lam_r * prod_{j<r}(1 - lam_j) and p_R the rest, whose CDF the exit rule compares; the
-    entropy bonus keeps the gate from collapsing onto one depth."""
-    R = out.logits.shape[0]
+    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)), averaged over masked tokens: out `loop_outputs`,
+    targets (B, T) long the next tokens, mask (B, T) bool; the entropy bonus keeps the gate off a single depth."""
     lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
-    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T), sums to 1 over loops
-    ce = F.cross_entropy(
-        out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(), reduction="none"
-    ).view_as(p)  # (R, B, T)
+    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T) exit distribution: p_R takes the rest
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none")
+    ce = ce.view_as(p)  # (R, B, T)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
     per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
@@ -1932,29 +1918,26 @@ def sft_warm_start(
 def evaluate(
     model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
-    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the
-    histogram of exit loops over generated tokens, their mean, and the rollouts' speed (generated tokens
-    per second of rollout time). Tokens are greedy; exits follow the policy's exit policy (sampled: drawn
-    from each sequence's generator seeded by `seed`, so the same weights give the same exits)."""
-    correct, hist, seconds = [], [0] * model.config.total_ut_steps, 0.0
+    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the histogram of
+    generated tokens' exit loops, their mean, and generated tokens per second of rollout. Exits follow the
+    policy's exit policy (sampled: drawn with `seed`, so the same weights give the same exits)."""
+    correct, exits, seconds = [], [], 0.0
     greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
         chunk, t0 = problems[i : i + batch_size], time.perf_counter()
         prompts, ids = [encode_problem(tok, p)[0] for p in chunk], list(range(i, i + len(chunk)))
         ro = rollout(model, prompts, greedy, max_new_tokens=max_new_tokens, seed=seed, sequence_ids=ids)
         seconds += time.perf_counter() - t0
-        for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
-            correct.append(gsm8k_score(tok.decode(c), p["answer"]))
-            for x in e:
-                hist[x - 1] += 1
+        correct += [gsm8k_score(tok.decode(c), p["answer"]) for p, c in zip(chunk, ro.completions)]
+        exits += [x for e in ro.exit_loops for x in e]
     acc = sum(correct) / max(1, len(problems))
     return {
         "accuracy": acc,
         "stderr": math.sqrt(acc * (1 - acc) / max(1, len(problems))),
         "correct": correct,
-        "exit_histogram": hist,
-        "mean_exit_loop": sum(r * c for r, c in enumerate(hist, 1)) / max(1, sum(hist)),
-        "tokens_per_second": sum(hist) / max(seconds, 1e-9),
+        "exit_histogram": [exits.count(r) for r in range(1, model.config.total_ut_steps + 1)],
+        "mean_exit_loop": sum(exits) / max(1, len(exits)),
+        "tokens_per_second": len(exits) / max(seconds, 1e-9),
     }
 
 
@@ -2036,8 +2019,7 @@ def check_flags(flags) -> None:
         v, name = getattr(flags, f.name), "--" + f.name.replace("_", "-")
         if v is None and f.default is None:  # not given: the flag's "default: ..." in its help applies
             continue
-        want = _check_flag(f, v)
-        if want:
+        if want := _check_flag(f, v):
             raise ValueError(f"{name} must be {want}, got {v!r}")
         if "path" in f.metadata and not (f.name == "config" and getattr(flags, "model", None)):  # --model wins
             _check_path(v, f.metadata["path"], name)
@@ -2098,24 +2080,22 @@ def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, 
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
     threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
         ratios = {}
         for n in (1, 32):
             x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
             args = {torch.bfloat16: (x32.bfloat16(), w32.bfloat16()), torch.float32: (x32, w32)}
-            best = {dt: math.inf for dt in args}
-            for round_ in range(6):  # alternate the dtypes, so drift hits both; round 0 warms up
+            times = {dt: [] for dt in args}
+            for _ in range(6):  # alternate the dtypes, so drift hits both; the first round warms up
                 for dt, (x, w) in args.items():
                     _sync(device)
                     t = time.perf_counter()
                     for _ in range(calls):
                         F.linear(x, w)
                     _sync(device)
-                    if round_:
-                        best[dt] = min(best[dt], time.perf_counter() - t)
-            ratios[f"rows_{n}"] = round(best[torch.bfloat16] / best[torch.float32], 2)
+                    times[dt].append(time.perf_counter() - t)
+            ratios[f"rows_{n}"] = round(min(times[torch.bfloat16][1:]) / min(times[torch.float32][1:]), 2)
     finally:
         torch.set_num_threads(threads)
     ratios["worst"] = max(ratios.values())
