@@ -1708,8 +1708,7 @@ def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple
 
 # --- Data and rewards -------------------------------------------------------------------------------
 
-# A number as written: "$" and thousands separators allowed (a comma only before a group of three digits:
-# "4,5" is two numbers), a decimal part; or \frac{a}{b} (\dfrac, \tfrac). A "%" after it is not read ("25%" is 25).
+# A number as written (README §7): "$", thousands separators ("4,5" is two numbers), decimals; \[dt]frac{a}{b}.
 _NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\$?\.\d+"
 
 
@@ -1729,10 +1728,9 @@ def gsm8k_answer(text: str) -> float | None:
 def extract_answer(text: str, lenient: bool = False) -> float | None:
     """A completion's final answer as a number, or None, by README §7's rules in order: only the text after the last
     '</think>' counts; the last '\\boxed{...}'; '####'; 'answer is'; lenient only, the last number of the text."""
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    elif "<think>" in text:
-        return None
+    if "<think>" in text and "</think>" not in text:
+        return None  # a thought never closed has no answer
+    text = text.rsplit("</think>", 1)[-1]
     start, depth = text.rfind("\\boxed{"), 0
     for j in range(start + 6, len(text)) if start >= 0 else ():
         depth += {"{": 1, "}": -1}.get(text[j], 0)
@@ -1786,8 +1784,7 @@ def _check_text(text: str, where: str, key: str) -> str:
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
     """GSM8K JSONL (README §7) as dicts with "question", "answer", "index" (0-based), or a seeded random subset."""
-    path = Path(path)
-    rows = []
+    path, rows = Path(path), []
     for lineno, d in read_jsonl(path):
         for key in ("question", "answer"):
             if not isinstance(d.get(key), str):
@@ -1814,8 +1811,7 @@ _THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups"
 
 def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
     """n GSM8K-format problems from a seed: "Ann has 7 pens and gets 5 more. How many pens?" -> "7+5=12\\n#### 12"."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
+    gen, out = torch.Generator().manual_seed(seed), []
     for i in range(n):
         name = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))]
         thing = _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
@@ -1968,10 +1964,10 @@ CONFIGS = Path(__file__).with_name("tiny_configs")
 
 
 def _flag(default, help: str, **meta):
-    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within`
-    (lo, hi) or (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex
-    the value must match; `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive`
-    "required" or "optional": the command's one mutually exclusive group (--model or --config)."""
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within` (lo, hi) or
+    (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex the value must match;
+    `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive` "required" or "optional": the
+    command's one mutually exclusive group (--model or --config)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -2047,9 +2043,8 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
     p = Path(path)
     if p.exists() and p.is_dir() != (kind == "folder"):
         raise ValueError(f"{flag}: {p} exists and is not a {kind}")
-    probe_dir = p if kind == "folder" else p.parent
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
+    start = p if kind == "folder" else p.parent
+    probe_dir = next(d for d in (start, *start.parents) if d.exists())  # the nearest that exists, at or above
     if not probe_dir.is_dir():
         raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
     probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
