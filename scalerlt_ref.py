@@ -1800,8 +1800,7 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
             raise ValueError(f"{path}: subset must be >= 1, got {subset}")
         if subset > len(rows):
             raise ValueError(f"{path}: subset of {subset} asked for, the file has only {len(rows)} problems")
-        pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset].tolist()
-        rows = [rows[i] for i in pick]
+        rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset]]
     return rows
 
 
@@ -1816,11 +1815,10 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
         name = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))]
         thing = _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
         a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
-        if bool(torch.rand((), generator=gen) < 0.5):
-            q, expr, ans = f"{name} has {a} {thing} and gets {b} more. How many {thing}?", f"{a}+{b}", a + b
-        else:
-            a, b = max(a, b), min(a, b)
-            q, expr, ans = f"{name} has {a} {thing} and loses {b}. How many {thing}?", f"{a}-{b}", a - b
+        add = bool(torch.rand((), generator=gen) < 0.5)
+        a, b = (a, b) if add else (max(a, b), min(a, b))  # a difference is never negative
+        expr, ans = (f"{a}+{b}", a + b) if add else (f"{a}-{b}", a - b)
+        q = f"{name} has {a} {thing} and {f'gets {b} more' if add else f'loses {b}'}. How many {thing}?"
         out.append({"question": q, "answer": f"{expr}={ans}\n#### {ans}", "index": i})
     return out
 
@@ -1914,9 +1912,8 @@ def sft_warm_start(
 def evaluate(
     model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
-    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the histogram of
-    generated tokens' exit loops, their mean, and generated tokens per second of rollout. Exits follow the
-    policy's exit policy (sampled: drawn with `seed`, so the same weights give the same exits)."""
+    """Greedy held-out accuracy (strict) with its standard error, each problem's score, generated tokens' exit-loop
+    histogram and mean, and tokens per second of rollout; sampled exits are drawn with `seed`, so they repeat."""
     correct, exits, seconds = [], [], 0.0
     greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
@@ -1941,8 +1938,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     """The mean gain on the same problems and its standard error (from the per-problem differences)."""
     d = [a - b for a, b in zip(after, before)]
     mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
-    return mean, math.sqrt(var / len(d))
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
 
 
 # --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
@@ -1955,12 +1951,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature,
-# learning rate, KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an
-# --atol or --flip-margin that large passes any engine. The bounds are far beyond any sensible value: temperature
-# 100 (typical logits divided by 100 are already uniform to a few parts in a thousand), lr 1 (an AdamW step moves
-# every weight by ~lr), 1000 for beta and the loop cost (the task reward lies in [0, 1]), atol 1000 nats (e^-1000
-# underflows even float64), flip margin 1 (a CDF minus a threshold in [0, 1]).
+# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature, lr,
+# KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an --atol or
+# --flip-margin that large passes any engine. The bounds are far beyond sense: temperature 100 (logits / 100 are
+# uniform to a few parts in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop
+# cost (rewards lie in [0, 1]), atol 1000 nats (e^-1000 underflows float64), flip margin 1 (CDF - threshold <= 1).
 
 
 def _flag(default, help: str, **meta):
@@ -2038,8 +2033,7 @@ def check_flags(flags) -> None:
 
 
 def _check_out(path: str, kind: str, flag: str = "--out") -> None:
-    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and removing
-    a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
+    """`path` must be (or can become) a writable "file"/"folder": a temporary file finds a read-only or full disk."""
     p = Path(path)
     if p.exists() and p.is_dir() != (kind == "folder"):
         raise ValueError(f"{flag}: {p} exists and is not a {kind}")
@@ -2064,14 +2058,11 @@ def _sync(device: torch.device) -> None:
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape (C -> I), for 1
-    row (a decoding call) and 32 rows (prefill, the learner), measured now (under a second at Ouro-1.4B's shapes):
-    {"rows_1": ratio, "rows_32": ratio, "worst": the larger}. Why: README, "bfloat16 needs a CPU that has it".
-    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads wait for
-    each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul). The ratio is a
-    property of the instruction set, which one thread shows as well as many."""
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
+    """How many times slower a bfloat16 matmul is than a float32 one here (README: "bfloat16 needs a CPU that has it"),
+    at this model's MLP shape (C -> I), 1 row (decoding) and 32 (prefill, learner): {"rows_1", "rows_32", "worst"}.
+    NOTE: on the CPU on one thread: with other processes busy, OpenMP's threads wait for each other and a timing turns
+    into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's, which one thread shows."""
+    device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
     threads = torch.get_num_threads()
