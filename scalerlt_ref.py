@@ -1647,15 +1647,13 @@ class HFTokenizer:
 
 def _tokenizer(model_dir: str | None):
     """A checkpoint's own tokenizer.json, else (tiny models) bytes."""
-    path = Path(model_dir or ".") / "tokenizer.json"
-    return HFTokenizer(path) if model_dir and path.exists() else ByteTokenizer()
+    return HFTokenizer(path) if model_dir and (path := Path(model_dir) / "tokenizer.json").exists() else ByteTokenizer()
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     """question -> its prompt in the checkpoint's chat template, rendered as HF's `apply_chat_template` does
     (README §7; `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it)."""
-    template = tok.config.get("chat_template")
-    if not isinstance(template, str):
+    if not isinstance(template := tok.config.get("chat_template"), str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
     try:
@@ -1713,8 +1711,7 @@ _NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(
 
 
 def _to_number(s: str) -> float | None:
-    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", s)
-    if frac:
+    if frac := re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", s):
         return (-1 if frac[1] else 1) * int(frac[2]) / int(frac[3]) if int(frac[3]) else None
     return float(s.replace(",", "").replace("$", ""))
 
@@ -1812,8 +1809,7 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
     """n GSM8K-format problems from a seed: "Ann has 7 pens and gets 5 more. How many pens?" -> "7+5=12\\n#### 12"."""
     gen, out = torch.Generator().manual_seed(seed), []
     for i in range(n):
-        name = _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))]
-        thing = _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))]
+        name, thing = (xs[int(torch.randint(len(xs), (), generator=gen))] for xs in (_NAMES, _THINGS))
         a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
         add = bool(torch.rand((), generator=gen) < 0.5)
         a, b = (a, b) if add else (max(a, b), min(a, b))  # a difference is never negative
@@ -1888,8 +1884,7 @@ def sft_warm_start(
 ) -> float:
     """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
     last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         pick = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
@@ -2004,8 +1999,7 @@ def _check_flag(f: dataclasses.Field, v) -> str | None:
 
 
 def check_flags(flags) -> None:
-    """Every flag of a command (its flags dataclass: TrainConfig, RolloutFlags, ...), before any work:
-    a one-line ValueError naming the first bad flag. Files to read must exist; outputs must be writable."""
+    """Every flag of a command's flags dataclass, before any work: a one-line ValueError naming the first bad one."""
     for f in dataclasses.fields(flags):
         v, name = getattr(flags, f.name), "--" + f.name.replace("_", "-")
         if v is None and f.default is None:  # not given: the flag's "default: ..." in its help applies
@@ -2065,10 +2059,9 @@ def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, 
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
-    threads = torch.get_num_threads()
+    threads, ratios = torch.get_num_threads(), {}
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        ratios = {}
         for n in (1, 32):
             x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
             args = {torch.bfloat16: (x32.bfloat16(), w32.bfloat16()), torch.float32: (x32, w32)}
