@@ -1550,8 +1550,7 @@ Config.from_json = staticmethod(load_config)
 class ByteTokenizer:
     """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259); no chat template."""
 
-    bos_id, eos_id, pad_id = 256, 257, 258
-    vocab_size = 259
+    bos_id, eos_id, pad_id, vocab_size = 256, 257, 258, 259
     stop_ids, chat, config = (257,), None, {}  # as `setup_prompts` sets them on a checkpoint's tokenizer
 
     def encode(self, text: str) -> list[int]:
@@ -1582,9 +1581,7 @@ class HFTokenizer:
         self.config = _load_json_limited(_read_text(side, "tokenizer config"), side) if side.exists() else {}
         if not isinstance(self.config, dict):
             raise ValueError(f"{side}: must be a JSON object")
-
-    def token_id(self, text: str) -> int | None:
-        return self._tok.token_to_id(text)
+        self.token_id = self._tok.token_to_id  # text -> its id, None if not one token (<|im_end|>, ...)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -1595,29 +1592,24 @@ class HFTokenizer:
 
 def _tokenizer(model_dir: str | None):
     """A checkpoint's own tokenizer.json, else (tiny models) bytes."""
-    path = Path(model_dir or ".") / "tokenizer.json"
-    return HFTokenizer(path) if model_dir and path.exists() else ByteTokenizer()
+    return HFTokenizer(path) if model_dir and (path := Path(model_dir) / "tokenizer.json").exists() else ByteTokenizer()
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
-    """question -> its prompt in the checkpoint's chat template (tokenizer_config.json), rendered as HF's
-    `apply_chat_template` does (sandboxed jinja2, trim and lstrip blocks, one user turn, add_generation_prompt,
-    the special tokens); `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it."""
-    template = tok.config.get("chat_template")
-    if not isinstance(template, str):
+    """question -> its prompt in the checkpoint's chat template, rendered as HF's `apply_chat_template` does
+    (README §7; `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it)."""
+    if not isinstance(template := tok.config.get("chat_template"), str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
     try:
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError, ext, sandbox
     except ImportError:
         raise ImportError("--prompt-format chat needs the optional package jinja2: pip install jinja2") from None
 
     def raise_exception(message):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
     env.filters["tojson"] = lambda x, ensure_ascii=False, **kw: json.dumps(x, ensure_ascii=ensure_ascii, **kw)
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
     specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
@@ -1638,10 +1630,8 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
 
 
 def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
-    """Resolved once, where a model and its tokenizer are loaded: how prompts are written (`tok.chat`, under
-    --prompt-format chat) and which ids stop a sequence (`tok.stop_ids`; the first, `tok.eos_id`, ends the
-    warm start's gold answers): --stop-ids, else the checkpoint's generation_config.json eos_token_id (an int
-    or a list), else config.json's, else `fallback`; plus <|im_end|> under chat and rollout's --eos-id."""
+    """Resolved once, where a model and its tokenizer load: how prompts are written (`tok.chat`) and which ids stop
+    a sequence (`tok.stop_ids`; the first is `tok.eos_id`), in README §7's order (`fallback`: after config.json's)."""
     chat = flags.prompt_format == "chat"
     tok.chat = chat_renderer(tok, flags.thinking) if chat else None
     gen = Path(flags.model or ".") / "generation_config.json"
@@ -1661,14 +1651,12 @@ def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple
 
 # --- Data and rewards -------------------------------------------------------------------------------
 
-# A number as written: "$" and thousands separators allowed (a comma only before a group of three digits:
-# "4,5" is two numbers), a decimal part; or \frac{a}{b} (\dfrac, \tfrac). A "%" after it is not read ("25%" is 25).
+# A number as written (README §7): "$", thousands separators ("4,5" is two numbers), decimals; \[dt]frac{a}{b}.
 _NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\$?\.\d+"
 
 
 def _to_number(s: str) -> float | None:
-    frac = re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", s)
-    if frac:
+    if frac := re.fullmatch(r"(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", s):
         return (-1 if frac[1] else 1) * int(frac[2]) / int(frac[3]) if int(frac[3]) else None
     return float(s.replace(",", "").replace("$", ""))
 
@@ -1680,15 +1668,11 @@ def gsm8k_answer(text: str) -> float | None:
 
 
 def extract_answer(text: str, lenient: bool = False) -> float | None:
-    """A completion's final answer as a number, or None. The rules, in order (README, Contract §7):
-    1. only the text after the last '</think>' counts; a '<think>' never closed has no answer;
-    2. the last '\\boxed{...}' (nested braces allowed): the last number inside it;
-    3. else the number after the last '####'; 4. else after the last 'answer is';
-    5. else, lenient only, the last number of the text."""
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
-    elif "<think>" in text:
-        return None
+    """A completion's final answer as a number, or None, by README §7's rules in order: only the text after the last
+    '</think>' counts; the last '\\boxed{...}'; '####'; 'answer is'; lenient only, the last number of the text."""
+    if "<think>" in text and "</think>" not in text:
+        return None  # a thought never closed has no answer
+    text = text.rsplit("</think>", 1)[-1]
     start, depth = text.rfind("\\boxed{"), 0
     for j in range(start + 6, len(text)) if start >= 0 else ():
         depth += {"{": 1, "}": -1}.get(text[j], 0)
@@ -1703,9 +1687,7 @@ def extract_answer(text: str, lenient: bool = False) -> float | None:
 
 
 def gsm8k_score(completion: str, reference: str, mode: str = "strict") -> float:
-    """1.0 if the completion's answer (`extract_answer`; "lenient" adds its last number as a fallback) equals
-    the reference's, else 0.0. The reference is a GSM8K answer ('... #### 18') or a bare number. Compared
-    as numbers: '18.00' equals '18', '$1,000' equals '1000'."""
+    """1.0 if the completion's answer (`extract_answer`) equals, as a number, the reference's ('... #### 18' or 18)."""
     nums = re.findall(_NUMBER, reference)
     gold = gsm8k_answer(reference) if "####" in reference else _to_number(nums[-1]) if nums else None
     if gold is None:
@@ -1743,13 +1725,8 @@ def _check_text(text: str, where: str, key: str) -> str:
 
 
 def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0) -> list[dict]:
-    """Read GSM8K JSONL ({"question", "answer": "... #### 18"}); a seeded random subset of N problems.
-
-    Returns dicts with "question", "answer", "index" (0-based line). Bad lines are an error naming the
-    file and the 1-based line.
-    """
-    path = Path(path)
-    rows = []
+    """GSM8K JSONL (README §7) as dicts with "question", "answer", "index" (0-based), or a seeded random subset."""
+    path, rows = Path(path), []
     for lineno, d in read_jsonl(path):
         for key in ("question", "answer"):
             if not isinstance(d.get(key), str):
@@ -1765,8 +1742,7 @@ def gsm8k_load(path: str | os.PathLike, subset: int | None = None, seed: int = 0
             raise ValueError(f"{path}: subset must be >= 1, got {subset}")
         if subset > len(rows):
             raise ValueError(f"{path}: subset of {subset} asked for, the file has only {len(rows)} problems")
-        pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset].tolist()
-        rows = [rows[i] for i in pick]
+        rows = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))[:subset]]
     return rows
 
 
@@ -1775,69 +1751,40 @@ _THINGS = ["apples", "pens", "cards", "shells", "coins", "books", "eggs", "cups"
 
 
 def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
-    """n GSM8K-format word problems (addition and subtraction) with gold answers, from a seed.
-
-    Example: {"question": "Ann has 7 pens and gets 5 more. How many pens?",
-              "answer": "7+5=12\\n#### 12"}.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = []
+    """n GSM8K-format problems from a seed: "Ann has 7 pens and gets 5 more. How many pens?" -> "7+5=12\\n#### 12"."""
+    gen, out = torch.Generator().manual_seed(seed), []
     for i in range(n):
-        name, thing = (
-            _NAMES[int(torch.randint(len(_NAMES), (), generator=gen))],
-            _THINGS[int(torch.randint(len(_THINGS), (), generator=gen))],
-        )
+        name, thing = (xs[int(torch.randint(len(xs), (), generator=gen))] for xs in (_NAMES, _THINGS))
         a, b = (int(x) for x in torch.randint(0, max_value + 1, (2,), generator=gen))
-        if bool(torch.rand((), generator=gen) < 0.5):
-            q, expr, ans = f"{name} has {a} {thing} and gets {b} more. How many {thing}?", f"{a}+{b}", a + b
-        else:
-            a, b = max(a, b), min(a, b)
-            q, expr, ans = f"{name} has {a} {thing} and loses {b}. How many {thing}?", f"{a}-{b}", a - b
+        add = bool(torch.rand((), generator=gen) < 0.5)
+        a, b = (a, b) if add else (max(a, b), min(a, b))  # a difference is never negative
+        expr, ans = (f"{a}+{b}", a + b) if add else (f"{a}-{b}", a - b)
+        q = f"{name} has {a} {thing} and {f'gets {b} more' if add else f'loses {b}'}. How many {thing}?"
         out.append({"question": q, "answer": f"{expr}={ans}\n#### {ans}", "index": i})
     return out
 
 
 def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
-    """The training reward: GSM8K correctness ("strict"/"lenient"), or "digits", the share of digit
-    characters in the completion: a smoke-test reward that gives a gradient even to a random model."""
+    """The training reward: a scorer ("strict"/"lenient"), or "digits", the share of digit characters in the
+    completion: a smoke-test reward that gives a gradient even to a random model."""
     if kind == "digits":
         return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
     return gsm8k_score(completion, reference, kind)
 
 
 def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
-    """The compute-aware reward: the task reward minus loop_cost x the sequence's mean exit loop (a
-    sequence with no tokens costs nothing). With sampled exits GRPO then trades accuracy against depth;
-    loop_cost 0 is plain GRPO (the task reward, unchanged)."""
-    if loop_cost == 0 or not exit_loops:
-        return task_reward
-    return task_reward - loop_cost * sum(exit_loops) / len(exit_loops)
-
-
-def format_prompt(question: str) -> str:
-    return f"Q: {question}\nA: "
+    """The task reward minus loop_cost x the sequence's mean exit loop: with sampled exits, GRPO trades accuracy
+    against depth; loop_cost 0 is plain GRPO (and a sequence with no tokens costs nothing)."""
+    return task_reward - loop_cost * sum(exit_loops) / len(exit_loops) if loop_cost and exit_loops else task_reward
 
 
 def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids, gold completion ids ending in the first stop id) of a problem; the prompt is `format_prompt`'s,
-    or the chat template's under --prompt-format chat (`setup_prompts`)."""
-    prompt = tok.chat(problem["question"]) if tok.chat else format_prompt(problem["question"])
+    """(prompt ids, gold completion ids ending in the first stop id): a "qa" prompt, or `tok.chat`'s (README §7)."""
+    prompt = tok.chat(problem["question"]) if tok.chat else f"Q: {problem['question']}\nA: "
     return tok.encode(prompt), tok.encode(problem["answer"]) + [tok.eos_id]
 
 
 # --- Warm start and evaluation ----------------------------------------------------------------------
-
-
-def exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """Ouro's exit distribution, differentiable: gate_logits (R, ...) -> p (R, ...) float32, summing to 1.
-
-    p_r = lam_r * prod_{j<r}(1 - lam_j) for r < R, and p_R takes the rest. The rule above exits where the
-    CDF of this distribution first reaches the threshold; Ouro's objective (the warm start) weights each
-    loop's loss by p_r.
-    """
-    lam = torch.sigmoid(gate_logits.float())  # (R, ...)
-    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, ...)
-    return torch.cat([lam[:-1] * survive[:-1], survive[-1:]]) if lam.shape[0] > 1 else survive
 
 
 @dataclass
@@ -1847,11 +1794,8 @@ class LoopOutputs:
 
 
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-    """The plain forward pass: every loop of every position, teacher-forced (the warm start's and the tests').
-
-    idx (B, T) long -> LoopOutputs: logits (R, B, T, V), gate_logits (R, B, T). Loop r is one pass
-    of all B*T rows (in (sequence, position) order) through the layers, with loop r's own K/V.
-    """
+    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's
+    logits (R, B, T, V) and gate logits (R, B, T); loop r passes all B*T rows through the layers with its own K/V."""
     cfg, (B, T) = model.config, idx.shape
     seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
     pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
@@ -1868,52 +1812,33 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's training objective: sum_r p(r|x) * CE_r  -  beta * H(p(.|x)), averaged over masked tokens.
-
-    out: loop_outputs of the inputs; targets (B, T) long, the next token at every position; mask (B, T)
-    bool. p(r|x) is the exit distribution of the gates (`exit_distribution`, above).
-    The entropy bonus keeps the gate from collapsing onto one depth.
-    """
-    R = out.logits.shape[0]
-    p = exit_distribution(out.gate_logits)  # (R, B, T), sums to 1 over loops
-    ce = F.cross_entropy(
-        out.logits.float().flatten(0, 2), targets.expand(R, -1, -1).flatten(), reduction="none"
-    ).view_as(p)  # (R, B, T)
+    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)), averaged over masked tokens: out `loop_outputs`,
+    targets (B, T) long the next tokens, mask (B, T) bool; the entropy bonus keeps the gate off a single depth."""
+    lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
+    survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
+    p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T) exit distribution: p_R takes the rest
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none")
+    ce = ce.view_as(p)  # (R, B, T)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
     per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
 
 
 def sft_warm_start(
-    model: LoopedLM,
-    tok,
-    problems: list[dict],
-    *,
-    steps: int,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    beta: float = 0.05,
-    seed: int = 0,
-    log: Callable[[str], None] = print,
+    model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, beta=0.05, seed=0, log=print
 ) -> float:
     """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
     last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         pick = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
         pairs = [encode_problem(tok, problems[i]) for i in pick]
-        T = max(len(p) + len(c) for p, c in pairs) - 1
-        inputs = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T) right-padded
-        targets = torch.full((batch_size, T), tok.eos_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros(batch_size, T, dtype=torch.bool)  # (B, T) completion tokens only
-        for b, (p, c) in enumerate(pairs):
-            seq = torch.tensor(p + c)
-            inputs[b, : len(seq) - 1], targets[b, : len(seq) - 1] = seq[:-1], seq[1:]
-            mask[b, len(p) - 1 : len(seq) - 1] = True
-        out = loop_outputs(model, inputs.to(model.device))
-        loss = ouro_loss(out, targets.to(model.device), mask.to(model.device), beta)
+        seqs = [torch.tensor(p + c) for p, c in pairs]  # each ends in tok.eos_id, so it pads them too
+        seqs = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.eos_id).to(model.device)
+        t = torch.arange(seqs.shape[1] - 1, device=model.device)  # (T,) input positions
+        mask = torch.stack([(len(p) - 1 <= t) & (t < len(p) + len(c) - 1) for p, c in pairs])  # (B, T) completions
+        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask, beta)  # next-token targets
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1925,44 +1850,27 @@ def sft_warm_start(
 
 @torch.no_grad()
 def evaluate(
-    model: LoopedLM,
-    tok,
-    problems: list[dict],
-    policy: Policy = Policy(),
-    *,
-    max_new_tokens: int = 16,
-    batch_size: int = 100,
-    seed: int = 0,
+    model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
-    """Greedy held-out accuracy (strict scorer) with its standard error, each problem's score, the
-    histogram of exit loops over generated tokens, their mean, and the rollouts' speed (generated tokens
-    per second of rollout time). Tokens are greedy; exits follow the policy's exit policy (sampled: drawn
-    from each sequence's generator seeded by `seed`, so the same weights give the same exits)."""
-    correct, hist, seconds = [], [0] * model.config.total_ut_steps, 0.0
+    """Greedy held-out accuracy (strict) with its standard error, each problem's score, generated tokens' exit-loop
+    histogram and mean, and tokens per second of rollout; sampled exits are drawn with `seed`, so they repeat."""
+    correct, exits, seconds = [], [], 0.0
+    greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
-        chunk = problems[i : i + batch_size]
-        t0 = time.perf_counter()
-        ro = rollout(
-            model,
-            [encode_problem(tok, p)[0] for p in chunk],
-            dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids),
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-            sequence_ids=list(range(i, i + len(chunk))),
-        )
+        chunk, t0 = problems[i : i + batch_size], time.perf_counter()
+        prompts, ids = [encode_problem(tok, p)[0] for p in chunk], list(range(i, i + len(chunk)))
+        ro = rollout(model, prompts, greedy, max_new_tokens=max_new_tokens, seed=seed, sequence_ids=ids)
         seconds += time.perf_counter() - t0
-        for p, c, e in zip(chunk, ro.completions, ro.exit_loops):
-            correct.append(gsm8k_score(tok.decode(c), p["answer"]))
-            for x in e:
-                hist[x - 1] += 1
+        correct += [gsm8k_score(tok.decode(c), p["answer"]) for p, c in zip(chunk, ro.completions)]
+        exits += [x for e in ro.exit_loops for x in e]
     acc = sum(correct) / max(1, len(problems))
     return {
         "accuracy": acc,
         "stderr": math.sqrt(acc * (1 - acc) / max(1, len(problems))),
         "correct": correct,
-        "exit_histogram": hist,
-        "mean_exit_loop": sum(r * c for r, c in enumerate(hist, 1)) / max(1, sum(hist)),
-        "tokens_per_second": sum(hist) / max(seconds, 1e-9),
+        "exit_histogram": [exits.count(r) for r in range(1, model.config.total_ut_steps + 1)],
+        "mean_exit_loop": sum(exits) / max(1, len(exits)),
+        "tokens_per_second": len(exits) / max(seconds, 1e-9),
     }
 
 
@@ -1970,8 +1878,7 @@ def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
     """The mean gain on the same problems and its standard error (from the per-problem differences)."""
     d = [a - b for a, b in zip(after, before)]
     mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
-    return mean, math.sqrt(var / len(d))
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
 
 
 # --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
@@ -1984,20 +1891,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a
-# temperature, learning rate, KL or loop-cost weight that large overflows (or flattens) everything after
-# hours of work, while an --atol or --flip-margin that large passes any engine. The bounds are far beyond
-# any sensible value: temperature 100 (typical logits divided by 100 are already uniform to a few parts
-# in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop cost (the
-# task reward lies in [0, 1]), atol 1000 nats (e^-1000 underflows even float64), flip margin 1 (a CDF
-# minus a threshold in [0, 1]).
+# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature, lr,
+# KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an --atol or
+# --flip-margin that large passes any engine. The bounds are far beyond sense: temperature 100 (logits / 100 are
+# uniform to a few parts in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop
+# cost (rewards lie in [0, 1]), atol 1000 nats (e^-1000 underflows float64), flip margin 1 (CDF - threshold <= 1).
 
 
 def _flag(default, help: str, **meta):
-    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within`
-    (lo, hi) or (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex
-    the value must match; `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive`
-    "required" or "optional": the command's one mutually exclusive group (--model or --config)."""
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within` (lo, hi) or
+    (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex the value must match;
+    `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive` "required" or "optional": the
+    command's one mutually exclusive group (--model or --config)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -2039,14 +1944,12 @@ def _check_flag(f: dataclasses.Field, v) -> str | None:
 
 
 def check_flags(flags) -> None:
-    """Every flag of a command (its flags dataclass: TrainConfig, RolloutFlags, ...), before any work:
-    a one-line ValueError naming the first bad flag. Files to read must exist; outputs must be writable."""
+    """Every flag of a command's flags dataclass, before any work: a one-line ValueError naming the first bad one."""
     for f in dataclasses.fields(flags):
         v, name = getattr(flags, f.name), "--" + f.name.replace("_", "-")
         if v is None and f.default is None:  # not given: the flag's "default: ..." in its help applies
             continue
-        want = _check_flag(f, v)
-        if want:
+        if want := _check_flag(f, v):
             raise ValueError(f"{name} must be {want}, got {v!r}")
         if "path" in f.metadata and not (f.name == "config" and getattr(flags, "model", None)):  # --model wins
             _check_path(v, f.metadata["path"], name)
@@ -2069,14 +1972,12 @@ def check_flags(flags) -> None:
 
 
 def _check_out(path: str, kind: str, flag: str = "--out") -> None:
-    """--out must be (or be creatable as) a writable `kind` ("file" or "folder"); checked by creating and
-    removing a temporary file, so a read-only or full disk is found before any work, and nothing is left."""
+    """`path` must be (or can become) a writable "file"/"folder": a temporary file finds a read-only or full disk."""
     p = Path(path)
-    if p.exists() and (p.is_dir() if kind == "file" else not p.is_dir()):
+    if p.exists() and p.is_dir() != (kind == "folder"):
         raise ValueError(f"{flag}: {p} exists and is not a {kind}")
-    probe_dir = p if kind == "folder" else p.parent
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
+    start = p if kind == "folder" else p.parent
+    probe_dir = next(d for d in (start, *start.parents) if d.exists())  # the nearest that exists, at or above
     if not probe_dir.is_dir():
         raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
     probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
@@ -2089,8 +1990,6 @@ def _check_out(path: str, kind: str, flag: str = "--out") -> None:
 
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
 
-BF16_SLOW = 3.0  # warn when a bfloat16 matmul is more than this many times slower than a float32 one
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -2098,39 +1997,29 @@ def _sync(device: torch.device) -> None:
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower bfloat16 matmul is than float32 here, at this model's MLP shape (C -> I), for
-    1 row (a decoding call) and 32 rows (prefill, the learner): measured now, in well under a second at
-    Ouro-1.4B's shapes. Returns {"rows_1": ratio, "rows_32": ratio, "worst": the larger}.
-
-    CPUs without native bf16 (x86 without AVX512_BF16 or AMX) convert in software: an AVX2-only EPYC
-    trained 36x slower in bf16. Tiny shapes pay bf16's larger per-call overhead instead.
-    NOTE: on the CPU this runs on one thread: with another busy process on the cores, OpenMP's threads
-    wait for each other and a timing turns into scheduler ticks (measured: 10 ms for a 0.1 ms matmul).
-    The ratio is a property of the instruction set, which one thread shows as well as many.
-    """
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
+    """How many times slower a bfloat16 matmul is than a float32 one here (README: "bfloat16 needs a CPU that has it"),
+    at this model's MLP shape (C -> I), 1 row (decoding) and 32 (prefill, learner): {"rows_1", "rows_32", "worst"}.
+    NOTE: on the CPU on one thread: with other processes busy, OpenMP's threads wait for each other and a timing turns
+    into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's, which one thread shows."""
+    device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
+    threads, ratios = torch.get_num_threads(), {}
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        ratios = {}
         for n in (1, 32):
             x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
             args = {torch.bfloat16: (x32.bfloat16(), w32.bfloat16()), torch.float32: (x32, w32)}
-            best = {dt: math.inf for dt in args}
-            for round_ in range(6):  # alternate the dtypes, so drift hits both; round 0 warms up
+            times = {dt: [] for dt in args}
+            for _ in range(6):  # alternate the dtypes, so drift hits both; the first round warms up
                 for dt, (x, w) in args.items():
                     _sync(device)
                     t = time.perf_counter()
                     for _ in range(calls):
                         F.linear(x, w)
                     _sync(device)
-                    if round_:
-                        best[dt] = min(best[dt], time.perf_counter() - t)
-            ratios[f"rows_{n}"] = round(best[torch.bfloat16] / best[torch.float32], 2)
+                    times[dt].append(time.perf_counter() - t)
+            ratios[f"rows_{n}"] = round(min(times[torch.bfloat16][1:]) / min(times[torch.float32][1:]), 2)
     finally:
         torch.set_num_threads(threads)
     ratios["worst"] = max(ratios.values())
@@ -2139,7 +2028,7 @@ def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, 
 
 def bf16_warning(ratios: dict[str, float]) -> str | None:
     """A one-line warning when bfloat16 is much slower than float32 here (None when it is not)."""
-    if ratios["worst"] <= BF16_SLOW:
+    if ratios["worst"] <= 3.0:  # warn only when bfloat16 is more than 3x slower
         return None
     return (
         f"warning: a bfloat16 matmul is {ratios['worst']:.1f}x slower than a float32 one on this machine at "
