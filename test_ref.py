@@ -2761,18 +2761,22 @@ def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
     assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
 
 
-def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
-    """A subset larger than the file and a prompt over the position limit are clear errors."""
+def test_subset_larger_than_file_refused_and_long_problems_skipped(tmp_path, capsys):
+    """A subset larger than the file is a clear error; a problem over the position limit is skipped with a
+    count (a subset of real GSM8K holds a few), and a file of only such problems is refused up front."""
     path = tmp_path / "d.jsonl"
-    path.write_text(
-        '{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
-    )
+    long = '{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
+    path.write_text('{"question": "short", "answer": "#### 1"}\n' + long)
     with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
         S.gsm8k_load(path, subset=5)
+    said = []
+    kept = S._load_problems(
+        S.TrainConfig(config=TINY_JSON, data=str(path)), S.ByteTokenizer(), S.load_config(TINY_JSON), said.append
+    )
+    assert [p["index"] for p in kept] == [0] and said[0].startswith("skipped 1 of 2 problems"), said
+    path.write_text(long)
     rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
-        S.train(S.TrainConfig(config=TINY_JSON, data=str(path), device="cpu"))
+    assert rc == 2 and "--max-new-tokens 16: no problem fits" in capsys.readouterr().err
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
