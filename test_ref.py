@@ -3150,8 +3150,9 @@ def test_record_key_of_wrong_type_says_so(tmp_path, capsys, key):
 # How the README check shrinks the README's commands to CI size (each command keeps its own flags; these are
 # appended to every `scalerlt_ref.py <command>`, and argparse lets the last value of a flag win; step counts
 # are divided by 10, so a resumed run still has steps to do), and what it replaces: commands CI runs itself,
-# a download (by a local copy), torchrun (by the same launcher via python), and Ouro-1.4B's shapes in the
-# random stand-in checkpoint (by the test model's).
+# the GSM8K download (by a file of built-in problems in its format), torchrun (by the same launcher via
+# python), and Ouro-1.4B's shapes in the random stand-in checkpoint (by the test model's). A block right after
+# a `<!-- not run: why -->` line is not run.
 README_TINY_FLAGS = {
     "demo": "--sft-steps 2 --steps 1 --prompts-per-step 2 --group-size 2 --max-new-tokens 4 --eval-problems 4",
     "train": "--sft-steps 2 --prompts-per-step 2 --group-size 2 --max-new-tokens 4",
@@ -3165,7 +3166,6 @@ README_REPLACE = [
     (r"\btorchrun ", "{python} -m torch.distributed.run "),  # torchrun's entry point, without relying on PATH
     (r"T\.OURO_1_4B", "T.TINY"),  # a 1.4 B random checkpoint is 2.9 GB
 ]
-NOT_RUN = "<!-- not run: "  # a README block right after such a comment line is skipped (it says why)
 
 
 def readme_blocks(text: str) -> list[tuple[str, str, bool]]:
@@ -3202,7 +3202,7 @@ def test_readme_runs_as_written(tmp_path):
         )
         t0 = time.time()
         r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        print(f"{time.time() - t0:6.1f}s  {cmd[-1][:100]!r}")
+        print(f"{time.time() - t0:6.1f}s  {cmd[-1][:100]!r}")  # with -s: where CI time goes
         assert r.returncode == 0, (
             f"README block failed ({r.returncode}):\n{cmd[-1]}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         )
