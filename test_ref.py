@@ -11,7 +11,8 @@ guarantees, and the tests that prove it":
  8. the trainer;
  9. the oracle, `verify`;
 10. real checkpoints and the bench;
-11. bad input is a one-line error.
+11. bad input is a one-line error;
+12. the README runs as written (its blocks, in order, at tiny sizes).
 
 Tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops, float32 and bfloat16). Where two tests
 would differ by a setting (the exit policy, the exit rule) one test is parametrized by it. Helpers sit at
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -3026,18 +3028,22 @@ def test_gsm8k_bad_input_names_file_and_line(tmp_path, content, needle):
     assert str(path) in str(e.value) and needle in str(e.value), str(e.value)
 
 
-def test_subset_larger_than_file_and_long_prompt_refused(tmp_path):
-    """A subset larger than the file and a prompt over the position limit are clear errors."""
+def test_subset_larger_than_file_refused_and_long_problems_skipped(tmp_path, capsys):
+    """A subset larger than the file is a clear error; a problem over the position limit is skipped with a
+    count (a subset of real GSM8K holds a few), and a file of only such problems is refused up front."""
     path = tmp_path / "d.jsonl"
-    path.write_text(
-        '{"question": "short", "answer": "#### 1"}\n{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
-    )
+    long = '{"question": "' + "long " * 300 + '", "answer": "#### 2"}\n'
+    path.write_text('{"question": "short", "answer": "#### 1"}\n' + long)
     with pytest.raises(ValueError, match="subset of 5 asked for, the file has only 2"):
         S.gsm8k_load(path, subset=5)
+    said = []
+    kept = S._load_problems(
+        S.TrainConfig(config=TINY_JSON, data=str(path)), S.ByteTokenizer(), S.load_config(TINY_JSON), said.append
+    )
+    assert [p["index"] for p in kept] == [0] and said[0].startswith("skipped 1 of 2 problems"), said
+    path.write_text(long)
     rc = S.main(["train", "--config", TINY_JSON, "--data", str(path), "--steps", "1", "--device", "cpu"])
-    assert rc == 2
-    with pytest.raises(ValueError, match=rf"{path}:2: prompt of \d+ tokens"):
-        S.train(S.TrainConfig(config=TINY_JSON, data=str(path), device="cpu"))
+    assert rc == 2 and "--max-new-tokens 16: no problem fits" in capsys.readouterr().err
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
@@ -3402,3 +3408,68 @@ def test_record_key_of_wrong_type_says_so(tmp_path, capsys, key):
     rc, err = _run(capsys, ["verify", "--config", TINY_JSON, "--rollouts", str(records)])
     assert rc == 2
     _one_line_error(err, f"{records}:2:", f"key {key!r} must be a list, got str")
+
+
+# --- 12. The README runs as written --------------------------------------------------------------------------
+
+# How the README check shrinks the README's commands to CI size (each command keeps its own flags; these are
+# appended to every `scalerlt_ref.py <command>`, and argparse lets the last value of a flag win; step counts
+# are divided by 10, so a resumed run still has steps to do), and what it replaces: commands CI runs itself,
+# the GSM8K download (by a file of built-in problems in its format), torchrun (by the same launcher via
+# python), and Ouro-1.4B's shapes in the random stand-in checkpoint (by the test model's). A block right after
+# a `<!-- not run: why -->` line is not run.
+README_TINY_FLAGS = {
+    "demo": "--sft-steps 2 --steps 1 --prompts-per-step 2 --group-size 2 --max-new-tokens 4 --eval-problems 4",
+    "train": "--sft-steps 2 --prompts-per-step 2 --group-size 2 --max-new-tokens 4",
+    "bench": "--new-tokens 2 --cache-prompt 4 --cache-tokens 2 --repeats 1 --batch 1",
+}
+README_REPLACE = [
+    (r"pip install -r requirements\.txt && ", ""),  # CI's own first step
+    (r"python -m pytest[^\n]*", ""),  # CI's own last step (and this test runs inside it)
+    (r"curl -fsSL -o gsm8k/train\.jsonl\s+\S+", "cp {gsm8k} gsm8k/train.jsonl"),  # no network in CI
+    (r"--steps (\d+)", lambda m: f"--steps {-(-int(m[1]) // 10)}"),
+    (r"\btorchrun ", "{python} -m torch.distributed.run "),  # torchrun's entry point, without relying on PATH
+    (r"T\.OURO_1_4B", "T.TINY"),  # a 1.4 B random checkpoint is 2.9 GB
+]
+
+
+def readme_blocks(text: str) -> list[tuple[str, str, bool]]:
+    """The README's ```bash and ```python blocks in order: (language, code, run?)."""
+    found = re.finditer(r"(?:^(<!-- not run: [^\n]*-->)\n)?^```(bash|python)\n(.*?)^```$", text, re.M | re.S)
+    return [(m[2], m[3], m[1] is None) for m in found]
+
+
+def shrink(code: str, gsm8k: Path) -> str:
+    code = code.replace("\\\n", " ")  # one line per command, so flags are appended where it ends
+    for pattern, repl in README_REPLACE:
+        code = re.sub(pattern, repl if callable(repl) else repl.format(gsm8k=gsm8k, python=sys.executable), code)
+    flags = "|".join(README_TINY_FLAGS)
+    return re.sub(rf"(scalerlt_ref\.py ({flags})\b[^#&;|>\n]*)", lambda m: f"{m[1]} {README_TINY_FLAGS[m[2]]} ", code)
+
+
+@slow
+def test_readme_runs_as_written(tmp_path):
+    """Every runnable README block, in order, in a fresh copy of the repository, at tiny sizes: exits 0, and
+    under torchrun one JSON line (rank 0's). Inputs come from earlier blocks, or a GSM8K file (of
+    built-in problems in GSM8K's format) where the README downloads it."""
+    for name in ("README.md", "scalerlt_ref.py", "test_ref.py", "requirements.txt", "tiny_configs"):
+        (shutil.copytree if (HERE / name).is_dir() else shutil.copy)(HERE / name, tmp_path / name)
+    gsm8k = tmp_path / "gsm8k.jsonl"  # GSM8K's format; real GSM8K's long prompts would take minutes here
+    S.write_jsonl(gsm8k, [{"question": p["question"], "answer": p["answer"]} for p in S.arithmetic_problems(80, 0)])
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    blocks = readme_blocks((HERE / "README.md").read_text())
+    assert len(blocks) >= 10 and sum(run for *_, run in blocks) >= 8, blocks
+    for lang, code, run in blocks:
+        if not run:
+            continue
+        cmd = (
+            ["bash", "-euo", "pipefail", "-c", shrink(code, gsm8k)] if lang == "bash" else [sys.executable, "-c", code]
+        )
+        t0 = time.time()
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        print(f"{time.time() - t0:6.1f}s  {cmd[-1][:100]!r}")  # with -s: where CI time goes
+        assert r.returncode == 0, (
+            f"README block failed ({r.returncode}):\n{cmd[-1]}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
+        if "torchrun" in code:
+            assert r.stdout.count('{"steps"') == 1, r.stdout
