@@ -2964,12 +2964,10 @@ class VerifyResult:
 
 
 def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bool) -> tuple[torch.Tensor, ...]:
-    """One teacher-forced pass of records' rollout `ro`, per token: (lp, exit_lp, gates, ran, policy); `raw`: lp
-    is log_softmax of the unscaled, unfiltered logits (logprob_mode "raw"), the policy still ro.policy's.
-
-    lp, exit_lp (B, N) float64 the reference's log-probs and exit log-probs; gates (B, N, R) in the model's
-    dtype, the gate logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under
-    kv="last_exited"); policy (B, N) float64 the PIT with `uniforms` (temperature > 0) or the greedy gap."""
+    """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 the reference's log-probs
+    (`raw`: of the unscaled, unfiltered logits, logprob_mode "raw"); gates (B, N, R) in the model's dtype, the gate
+    logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under kv="last_exited");
+    policy (B, N) float64, under ro.policy, the PIT with `uniforms` (temperature > 0) or the greedy gap."""
     R = model.config.total_ut_steps
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
@@ -3080,7 +3078,7 @@ def verify_records(
     record's index in `recs` as `.index`."""
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
-    results: list = [None] * len(recs)
+    results: dict[int, VerifyResult] = {}
     groups: dict[tuple, list[int]] = {}  # `_sampling` -> record indices (one sampling per pass)
     empty = torch.zeros(0, dtype=torch.float64)
     for i, rec in enumerate(recs):
@@ -3088,17 +3086,14 @@ def verify_records(
             groups.setdefault(_sampling(rec), []).append(i)
         else:  # nothing was generated: nothing to recompute
             results[i] = VerifyResult.of(rec, empty, empty, empty)
-    done = len(recs) - sum(map(len, groups.values()))
     for idx in groups.values():
         for c in range(0, len(idx), opts.batch_size):
             chunk = idx[c : c + opts.batch_size]
             batch = _verify_batch(model, [recs[i] for i in chunk], [first_index + i for i in chunk], opts)
-            for i, res in zip(chunk, batch):
-                results[i] = res
-            done += len(chunk)
+            results.update(zip(chunk, batch))
             if on_batch is not None:
-                on_batch(done)
-    return results
+                on_batch(len(results))  # the records done
+    return [results[i] for i in range(len(recs))]
 
 
 def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOptions(), index: int = 0) -> VerifyResult:
@@ -3183,15 +3178,9 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
 
 def _print_failures(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, limit: int = 20) -> None:
     """A line per failing sequence (the first `limit`), with its first few bad tokens."""
-    shown = 0
-    for i, (rec, res) in enumerate(zip(records, results)):
-        f = res.failures(opts.atol, opts.flip_margin)
-        if not f:
-            continue
-        shown += 1
-        if shown > limit:
-            print(f"  ... and more failing sequences (the first {limit} are shown)")
-            return
+    fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
+    failing = [(i, rec, res, f) for i, (rec, res, f) in enumerate(zip(records, results, fails)) if f]
+    for i, rec, res, f in failing[:limit]:
         print(
             f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
             f"{float(res.diff.max()):.3e}, {len(f.logprobs)} over atol, {len(f.exit_logprobs)} exit log-probs over "
@@ -3213,6 +3202,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
         for k in f.after_stop[:1]:
             print(f"      token {k}: generated after stop id {rec['completion_ids'][k - 1]} (token {k - 1})")
+    if len(failing) > limit:
+        print(f"  ... and more failing sequences (the first {limit} are shown)")
 
 
 def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], summary: dict, R: int) -> None:
@@ -3257,19 +3248,6 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
-def _progress(total: int, t0: float) -> Callable[[int], None]:
-    """`verify_records`' on_batch for the command: a line at most every 2 seconds, and one at the end."""
-    shown = [t0]
-
-    def progress(done: int) -> None:
-        now = time.time()
-        if now - shown[0] >= 2.0 or done == total:
-            print(f"  {done}/{total} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
-            shown[0] = now
-
-    return progress
-
-
 def flag_fields(cls, flags) -> dict:
     """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
     that build a `Policy` or `VerifyOptions`."""
@@ -3288,9 +3266,16 @@ def cmd_verify(args) -> int:
         f"({args.dtype} reference; engine {args.engine_dtype}: atol={opts.atol:g}, flip margin="
         f"{opts.flip_margin:g}; exit rule {args.exit_rule}, kv={args.kv})"
     )
-    t0 = time.time()
+    t0 = shown = time.time()
+
+    def progress(done: int) -> None:  # a line at most every 2 seconds, and one at the end
+        nonlocal shown
+        if (now := time.time()) - shown >= 2.0 or done == len(records):
+            print(f"  {done}/{len(records)} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
+            shown = now
+
     try:
-        results = verify_records(model, records, opts, on_batch=_progress(len(records), t0))
+        results = verify_records(model, records, opts, on_batch=progress)
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
@@ -3299,11 +3284,8 @@ def cmd_verify(args) -> int:
     summary.update(engine_dtype=args.engine_dtype, exit_rule=args.exit_rule, seconds=round(seconds, 3))
     summary.update(sequences_per_second=round(len(records) / max(seconds, 1e-9), 1))
     _print_failures(records, results, opts)
-    if summary["near_threshold_flips"]:
-        print(
-            f"  {summary['near_threshold_flips']} near-threshold exit flips "
-            f"(|CDF - threshold| <= {opts.flip_margin:g}): not failures"
-        )
+    if flips := summary["near_threshold_flips"]:
+        print(f"  {flips} near-threshold exit flips (|CDF - threshold| <= {opts.flip_margin:g}): not failures")
     if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < opts.sampler_alpha:
         print(
             f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
@@ -3355,8 +3337,7 @@ def cmd_rollout(args) -> int:
     prompts = read_prompts(args, model.config, tok)
     policy = Policy(**flag_fields(Policy, args) | {"stop_ids": stop_ids})
     ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
-    if bad:  # never write a record no verifier could check
+    if bad := int((~torch.isfinite(ro.logprobs) & ro.mask).sum()):  # never write a record no verifier could check
         raise ValueError(
             f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
             "small, or the model's logits overflow); nothing written"
@@ -3364,10 +3345,10 @@ def cmd_rollout(args) -> int:
     records = rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(Path(args.out), lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
-    n, s = int(ro.mask.sum()), ro.schedule
-    summary = {"sequences": len(prompts), "tokens": n, "out": args.out}
-    summary |= {"mean_exit_loop": sum(map(sum, ro.exit_loops)) / max(1, n), "row_loops": s.row_loops()}
-    print(json.dumps(summary | {"calls": len(s.calls)}))
+    n = int(ro.mask.sum())
+    mean_exit_loop = sum(map(sum, ro.exit_loops)) / max(1, n)
+    summary = {"sequences": len(prompts), "tokens": n, "out": args.out, "mean_exit_loop": mean_exit_loop}
+    print(json.dumps(summary | {"row_loops": ro.schedule.row_loops(), "calls": len(ro.schedule.calls)}))
     return 0
 
 
