@@ -2776,7 +2776,9 @@ class VerifyOptions:
     sampler_alpha: float = 1e-3  # the sampler test fails below this p-value
 
     @classmethod
-    def for_engine(cls, engine_dtype: str, atol: float | None = None, flip_margin=None, **kw) -> VerifyOptions:
+    def for_engine(
+        cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, **kw
+    ) -> VerifyOptions:
         """Options for an engine that computed in `engine_dtype` (a key of ENGINE_TOLERANCES, a torch dtype's
         name): its tolerances (unless atol or flip_margin is given) and the exit rule evaluated in its dtype."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
@@ -3103,9 +3105,9 @@ def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOption
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> float:
     """The q-quantile of sorted values, interpolated linearly (numpy's default)."""
-    pos = q * (sorted_values.numel() - 1)
+    pos, last = q * (sorted_values.numel() - 1), sorted_values.numel() - 1
     lo = math.floor(pos)
-    hi = min(lo + 1, sorted_values.numel() - 1)
+    hi = min(lo + 1, last)
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
