@@ -2464,8 +2464,8 @@ def schedule_to_json(schedule: Schedule) -> str:
 
 
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json`; keys that older versions did not write read as the defaults.
-    Its calls are checked here (`execute_call` trusts them): rows sorted, unique, the readout among them."""
+    """A schedule written by `schedule_to_json` (missing keys read as the defaults), its calls checked here
+    (`execute_call` trusts them): rows sorted, unique, the readout among them."""
     d = json.loads(text)
     calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
     for c in calls:
@@ -2482,13 +2482,10 @@ def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
     cells = {(p, c.loop): i for i, c in enumerate(schedule.calls) for b, p in c.rows if b == seq}
     if not cells:
         return f"(sequence {seq} has no rows)"
-    w, R = max(3, len(str(len(schedule.calls) - 1))) + 1, schedule.loops
-    lines = [
-        f"{schedule.policy.mode}, sequence {seq}",
-        "pos " + "".join(f"{'L' + str(r):>{w}}" for r in range(1, R + 1)),
-    ]
+    w, loops = max(3, len(str(len(schedule.calls) - 1))) + 1, range(1, schedule.loops + 1)
+    lines = [f"{schedule.policy.mode}, sequence {seq}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in loops)]
     for p in range(max(p for p, _ in cells) + 1):
-        lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in range(1, R + 1)))
+        lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in loops))
     return "\n".join(lines)
 
 
@@ -2498,9 +2495,6 @@ def exit_loop(
     """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
     while loops 1..j do not decide (what the rollout asks after every loop). `exit_loops` for n = 1."""
     return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
-
-
-# The oracle's view of the exit rule: the CDF values and how far each loop was from exiting, for reports.
 
 
 def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
@@ -2534,15 +2528,13 @@ class LastExitedKV(ExactKV):
         """The generated positions read out in `call` stop for good and serve their K/V of this loop to every
         deeper loop. The copied slots count as computed (depth R), so no call runs them again."""
         rows = [(b, p) for b, p in call.readout if p > first[b]]
-        if not rows:
-            return
-        seq = torch.tensor([b for b, _ in rows], device=cache.h.device)
-        pos = torch.tensor([p for _, p in rows], device=cache.h.device)
-        for r in range(call.loop, len(cache.k)):  # 0-based index r is loop r + 1
-            for layer in range(len(cache.k[r])):
-                cache.k[r][layer][seq, :, pos] = cache.k[call.loop - 1][layer][seq, :, pos]
-                cache.v[r][layer][seq, :, pos] = cache.v[call.loop - 1][layer][seq, :, pos]
-        cache.depth[seq, pos] = len(cache.k)
+        if rows:
+            seq, pos = torch.tensor(rows, device=cache.h.device).T  # (n,) each
+            for kv in (cache.k, cache.v):
+                for r in range(call.loop, len(kv)):  # 0-based index r is loop r + 1
+                    for layer in range(len(kv[r])):
+                        kv[r][layer][seq, :, pos] = kv[call.loop - 1][layer][seq, :, pos]
+            cache.depth[seq, pos] = len(cache.k)
 
     def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
         """A generated position runs only up to its recorded exit loop (its deeper K/V are copies)."""
@@ -2552,10 +2544,9 @@ class LastExitedKV(ExactKV):
 KV_POLICIES["last_exited"] = LastExitedKV()
 
 
-def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in rows)))
+def _first_outside(xs: list, lo: int, hi: int) -> str | None:
+    """The repr of the first of `xs` that is not an integer in lo..hi (a bool is not one), or None."""
+    return next((repr(x) for x in xs if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi), None)
 
 
 def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
@@ -2563,75 +2554,48 @@ def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     path, R, V = Path(path), cfg.total_ut_steps, cfg.vocab_size
     records = []
     for lineno, d in read_jsonl(path):
-        where = f"{path}:{lineno}"
+
+        def need(ok: bool, problem: str) -> None:
+            if not ok:
+                raise ValueError(f"{path}:{lineno}: {problem}")
+
         for key in RECORD_KEYS:
-            if key not in d:
-                raise ValueError(f"{where}: missing list key {key!r}")
-            if not isinstance(d[key], list):
-                raise ValueError(f"{where}: key {key!r} must be a list, got {type(d[key]).__name__}")
-        n = len(d["completion_ids"])
-        if not d["prompt_ids"]:
-            raise ValueError(f"{where}: 'prompt_ids' is empty")
-        if len(d["exit_loops"]) != n or len(d["logprobs"]) != n:
-            raise ValueError(
-                f"{where}: lengths disagree: {n} completion_ids, {len(d['exit_loops'])} exit_loops, "
-                f"{len(d['logprobs'])} logprobs"
-            )
-        if not isinstance(d.get("stop_ids", []), list):  # optional: the ids that ended a sequence in the engine
-            raise ValueError(f"{where}: key 'stop_ids' must be a list, got {type(d['stop_ids']).__name__}")
+            need(key in d, f"missing list key {key!r}")
+            need(isinstance(d[key], list), f"key {key!r} must be a list, got {type(d[key]).__name__}")
+        n, e, lp = len(d["completion_ids"]), len(d["exit_loops"]), len(d["logprobs"])
+        need(len(d["prompt_ids"]) > 0, "'prompt_ids' is empty")
+        need(e == n == lp, f"lengths disagree: {n} completion_ids, {e} exit_loops, {lp} logprobs")
+        stop_ids = d.get("stop_ids", [])  # optional: the ids that ended a sequence in the engine
+        need(isinstance(stop_ids, list), f"key 'stop_ids' must be a list, got {type(stop_ids).__name__}")
         for key in ("prompt_ids", "completion_ids", "stop_ids"):
-            bad = [x for x in d.get(key, []) if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
-            if bad:
-                raise ValueError(f"{where}: {key} has id {bad[0]!r} outside the vocabulary 0..{V - 1}")
-        bad = [x for x in d["exit_loops"] if not isinstance(x, int) or isinstance(x, bool) or not 1 <= x <= R]
-        if bad:
-            raise ValueError(f"{where}: exit loop {bad[0]!r} is outside 1..{R}")
+            bad = _first_outside(d.get(key, []), 0, V - 1)
+            need(bad is None, f"{key} has id {bad} outside the vocabulary 0..{V - 1}")
+        bad = _first_outside(d["exit_loops"], 1, R)
+        need(bad is None, f"exit loop {bad} is outside 1..{R}")
         for key in ("logprobs", "exit_logprobs") if "exit_logprobs" in d else ("logprobs",):
-            v = d[key]
-            if not isinstance(v, list) or len(v) != n:
-                raise ValueError(f"{where}: {key!r} must be a list of {n} numbers, one per completion token")
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
-                raise ValueError(f"{where}: {key!r} must be finite numbers")
+            ok = isinstance(d[key], list) and len(d[key]) == n
+            need(ok, f"{key!r} must be a list of {n} numbers, one per completion token")
+            need(all(map(_is_finite_number, d[key])), f"{key!r} must be finite numbers")
         t, k, top_p, mode = _sampling(d)
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"{where}: 'temperature' must be a finite number >= 0")
+        need(_is_finite_number(t) and t >= 0, "'temperature' must be a finite number >= 0")
         k_ok = isinstance(k, int) and not isinstance(k, bool) and k >= -1  # vLLM: -1 or 0 turn top-k off
-        if not (k_ok and _is_finite_number(top_p) and 0 < top_p <= 1):
-            raise ValueError(f"{where}: 'top_k' must be an integer >= 0 (0 or -1: off), 'top_p' a number in (0, 1]")
-        if mode not in LOGPROB_MODES:
-            raise ValueError(f"{where}: 'logprob_mode' must be one of {', '.join(LOGPROB_MODES)}, got {mode!r}")
-        if len(d["prompt_ids"]) + n > cfg.max_position_embeddings:
-            raise ValueError(
-                f"{where}: {len(d['prompt_ids']) + n} tokens exceed the position limit "
-                f"max_position_embeddings={cfg.max_position_embeddings}"
-            )
+        p_ok = _is_finite_number(top_p) and 0 < top_p <= 1
+        need(k_ok and p_ok, "'top_k' must be an integer >= 0 (0 or -1: off), 'top_p' a number in (0, 1]")
+        need(mode in LOGPROB_MODES, f"'logprob_mode' must be one of {', '.join(LOGPROB_MODES)}, got {mode!r}")
+        tokens, limit = len(d["prompt_ids"]) + n, cfg.max_position_embeddings
+        need(tokens <= limit, f"{tokens} tokens exceed the position limit max_position_embeddings={limit}")
         records.append(dict(d, temperature=float(t), top_k=max(k, 0), top_p=float(top_p), line=lineno))
     if not records:
         raise ValueError(f"{path}: no records")
     return records
 
 
-# Engines are judged at their own precision. Per engine dtype, the defaults of --atol (the largest
-# accepted |recorded - reference| log-prob) and --flip-margin (the largest |CDF - threshold| at which an
-# exit-rule disagreement counts as rounding, a near-threshold flip, rather than a wrong depth). Measured
-# by sampling the reference itself in each dtype (fast numerics) and verifying against float64 (README,
-# "Checking a bfloat16 engine", has the commands and the table). The noise depends on the model: the
-# worst was tiny.json's random weights, which amplify one rounding step the most (bfloat16: |Δ log-prob|
-# up to 2.9 nats and disagreements up to 0.11 from the threshold over 12,000 tokens; 0.32 and 0.035 after
-# a short warm start; 0.015 and 0.008 on demo.json's random weights). The defaults cover that worst case
-# with room (~1.4-2x in bfloat16, 10x or more above), and the planted bugs of the README still fail there.
-ENGINE_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-ENGINE_TOLERANCES = {  # engine dtype: (atol, flip margin)
-    "float64": (1e-8, 1e-8),
-    "float32": (1e-3, 1e-3),
-    "bfloat16": (4.0, 0.2),
-    "float16": (1.0, 0.05),
-}
+# Engines are judged at their own precision: per engine dtype, the defaults of --atol (the largest accepted
+# |recorded - reference| log-prob) and --flip-margin (the largest |CDF - threshold| at which an exit-rule
+# disagreement is rounding, a near-threshold flip, not a wrong depth). They cover the worst noise measured
+# (tiny.json's random weights, which amplify one rounding step the most) with room, ~1.4-2x in bfloat16 and 10x
+# or more above, and the README's planted bugs still fail there (README, "Checking a bfloat16 engine").
+ENGINE_TOLERANCES = {"float64": (1e-8, 1e-8), "float32": (1e-3, 1e-3), "bfloat16": (4.0, 0.2), "float16": (1.0, 0.05)}
 RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(recorded - reference) is outside 1 ± x
 
 
@@ -2654,15 +2618,11 @@ class VerifyOptions:
     def for_engine(
         cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, **kw
     ) -> VerifyOptions:
-        """Options for an engine that computed in `engine_dtype` (a key of ENGINE_DTYPES): its tolerances
-        (unless atol or flip_margin is given) and the exit rule evaluated in its dtype."""
-        engine_atol, engine_flip = ENGINE_TOLERANCES[engine_dtype]
-        return cls(
-            atol=engine_atol if atol is None else atol,
-            flip_margin=engine_flip if flip_margin is None else flip_margin,
-            rule_dtype=ENGINE_DTYPES[engine_dtype],
-            **kw,
-        )
+        """Options for an engine that computed in `engine_dtype` (a key of ENGINE_TOLERANCES, a torch dtype's
+        name): its tolerances (unless atol or flip_margin is given) and the exit rule evaluated in its dtype."""
+        a, m = ENGINE_TOLERANCES[engine_dtype]
+        atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
+        return cls(atol=atol, flip_margin=flip_margin, rule_dtype=getattr(torch, engine_dtype), **kw)
 
 
 def records_rollout(
@@ -2671,28 +2631,20 @@ def records_rollout(
     """Records (of one sampling, `_sampling`) as one Rollout to teacher-force: B = len(recs), N the longest
     completion; logprobs and exit_logprobs (B, N) float64 (0 where a record has none) and mask (B, N) bool,
     padded; no schedule. exit_policy "sampled" makes the teacher-forced pass compute exit log-probs."""
-    N = max(len(r["completion_ids"]) for r in recs)
-    logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
-    exit_logprobs = torch.zeros(len(recs), N, dtype=torch.float64)  # (B, N)
-    mask = torch.zeros(len(recs), N, dtype=torch.bool)  # (B, N)
-    for b, r in enumerate(recs):
-        n = len(r["completion_ids"])
-        logprobs[b, :n] = torch.tensor(r["logprobs"], dtype=torch.float64)
-        exit_logprobs[b, :n] = torch.tensor(r.get("exit_logprobs", [0.0] * n), dtype=torch.float64)
-        mask[b, :n] = True
+    n = [len(r["completion_ids"]) for r in recs]
+
+    def padded(key: str) -> torch.Tensor:  # (B, N) float64
+        rows = [torch.tensor(r.get(key, [0.0] * k), dtype=torch.float64) for r, k in zip(recs, n)]
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
     t, k, p = _sampling(recs[0])[:3]
-    return Rollout(
-        prompts=[r["prompt_ids"] for r in recs],
-        completions=[r["completion_ids"] for r in recs],
-        exit_loops=[r["exit_loops"] for r in recs],
-        logprobs=logprobs,
-        mask=mask,
-        schedule=None,
-        policy=Policy(
-            temperature=t, kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops, top_k=k, top_p=p
-        ),
-        exit_logprobs=exit_logprobs,
+    policy = Policy(
+        temperature=t, top_k=k, top_p=p, kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops
     )
+    prompts, completions, exits = ([r[key] for r in recs] for key in ("prompt_ids", "completion_ids", "exit_loops"))
+    mask = torch.arange(max(n))[None, :] < torch.tensor(n)[:, None]  # (B, N)
+    lp, exit_lp = padded("logprobs"), padded("exit_logprobs")
+    return Rollout(prompts, completions, exits, lp, mask, schedule=None, policy=policy, exit_logprobs=exit_lp)
 
 
 def _check_reference_finite(
@@ -2781,24 +2733,6 @@ def ks_uniform(values) -> tuple[float, float]:
     return d, kolmogorov_sf((math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d)
 
 
-def _exit_violation(
-    gates: torch.Tensor, recorded: int, rule_exit: int | None, R: int, tau: float | None, min_loops: int, rule: str
-) -> dict | None:
-    """None when the recorded exit loop is the rule's; else {"recorded", "rule", "margin"}.
-
-    `margin` is CDF - threshold at the first loop where the two decisions part (tiny |margin|: a
-    near-threshold flip; large: a wrong depth); None where no threshold could explain the difference
-    (no threshold in the config, or a recorded exit before min_loops)."""
-    if rule_exit == recorded:
-        return None
-    part = min(recorded, rule_exit if rule_exit is not None else R)  # the first loop where the decisions differ
-    margin = None
-    if tau is not None and part >= min_loops:
-        padded = torch.cat([gates, gates.new_zeros(R - gates.numel())])  # (R,) loops never run read as 0
-        margin = float(exit_margin(padded, R, tau, rule)[part - 1])
-    return {"recorded": recorded, "rule": rule_exit if rule_exit is not None else f">{gates.numel()}", "margin": margin}
-
-
 @dataclass
 class Failures:
     """One record's failing tokens by kind, at a tolerance (`VerifyResult.failures`)."""
@@ -2810,7 +2744,7 @@ class Failures:
     after_stop: list[int]  # tokens generated after a stop id (the record's "stop_ids"): the engine did not stop
 
     def __bool__(self) -> bool:
-        return bool(self.logprobs or self.exit_logprobs or self.violations or self.greedy or self.after_stop)
+        return any(vars(self).values())
 
 
 @dataclass
@@ -2820,7 +2754,7 @@ class VerifyResult:
 
     logprobs: torch.Tensor  # the reference's log-probs, recomputed teacher-forced
     delta: torch.Tensor  # recorded - reference
-    violations: list[dict] = field(default_factory=list)  # every exit-rule disagreement (`_exit_violation`)
+    violations: list[dict] = field(default_factory=list)  # every exit-rule disagreement (`_violations`)
     rule_exits: list[int | None] = field(default_factory=list)  # per token (None: undecided by the loops run)
     pit: torch.Tensor | None = None  # the randomized PIT of each token (temperature > 0), else None
     greedy_gap: torch.Tensor | None = None  # best log-prob - the token's (temperature 0), else None
@@ -2870,27 +2804,14 @@ class VerifyResult:
         )
 
 
-def _sampler_uniforms(ro: Rollout, indices: list[int], seed: int) -> torch.Tensor:
-    """(B, N) float64: one uniform per token, from its sequence's own stream (`sampler_seed` of its index
-    in the file), so that the results do not depend on the batch."""
-    uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
-    for b, (i, c) in enumerate(zip(indices, ro.completions)):
-        gen = torch.Generator().manual_seed(sampler_seed(seed, i))
-        uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
-    return uniforms
-
-
 def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bool) -> tuple[torch.Tensor, ...]:
-    """One teacher-forced pass of records' rollout `ro`, per token: (lp, exit_lp, gates, ran, policy); `raw`: lp
-    is log_softmax of the unscaled, unfiltered logits (logprob_mode "raw"), the policy still ro.policy's.
-
-    lp, exit_lp (B, N) float64 the reference's log-probs and exit log-probs; gates (B, N, R) in the model's
-    dtype, the gate logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under
-    kv="last_exited"); policy (B, N) float64 the PIT with `uniforms` (temperature > 0) or the greedy gap."""
+    """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 the reference's log-probs
+    (`raw`: of the unscaled, unfiltered logits, logprob_mode "raw"); gates (B, N, R) in the model's dtype, the gate
+    logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under kv="last_exited");
+    policy (B, N) float64, under ro.policy, the PIT with `uniforms` (temperature > 0) or the greedy gap."""
     R = model.config.total_ut_steps
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
-    length = torch.tensor([len(c) for c in ro.completions])  # (B,)
     gates = torch.full((B, N, R), math.nan, dtype=model.dtype)  # (B, N, R)
     ran = torch.zeros(B, N, dtype=torch.long)  # (B, N)
     policy = torch.full((B, N), math.nan, dtype=torch.float64)  # (B, N)
@@ -2898,24 +2819,21 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bo
     if raw:
         ro = dataclasses.replace(ro, policy=dataclasses.replace(sampled, temperature=1.0, top_k=0, top_p=1.0))
 
-    def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rows (sequence, position) -> (b, k, produces?): each row's completion token index k, and
-        whether that position produced a recorded token."""
-        b = torch.tensor([r[0] for r in rows], dtype=torch.long)  # (n,)
-        k = torch.tensor([r[1] for r in rows], dtype=torch.long) - first[b]  # (n,)
-        return b, k, (k >= 0) & (k < length[b])
+    def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        b, p = torch.tensor(rows, dtype=torch.long).reshape(-1, 2).T  # (n,) each: rows' sequences and positions
+        return b, p - first[b]  # and the completion token each position produces
 
-    undecided = [[None] * n for n in length.tolist()]  # every producing row decides: the rule runs at every loop
+    undecided = [[None] * len(c) for c in ro.completions]  # every producing row decides: the rule runs at every loop
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
         deciding = deciding_rows(call, first.tolist(), undecided)
         if deciding:
-            b, k, _ = token_index([call.rows[i] for i in deciding])
+            b, k = token_index([call.rows[i] for i in deciding])
             gates[b, k, call.loop - 1] = model.gate_logits(h[deciding]).cpu()
             ran[b, k] = call.loop
 
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
-        b, k, _ = token_index(call.readout)
+        b, k = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
         logp = policy_logprobs(logp, sampled) if raw else logp  # (k, V) shift-invariant: as from the logits
         if sampled.temperature > 0:
@@ -2929,35 +2847,23 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bo
     return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
-def _rule_exits(
-    gates: torch.Tensor, ran: torch.Tensor, mask: torch.Tensor, R: int, opts: VerifyOptions
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule at every producing position at once, positions grouped by the loops they ran (all R, except
-    under kv="last_exited"): (rule_gates (B, N, R), rule_exits (B, N) long, -1 where undecided). It runs on
-    the reference's gates rounded to the engine's dtype: an engine decides from gates in its own dtype, and
-    HF's arithmetic rounds differently in each."""
-    rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
-    rule_exits = torch.full(mask.shape, -1, dtype=torch.long)  # (B, N)
-    for j in sorted(set(ran[mask].tolist())):
-        sel = mask & (ran == j)  # (B, N)
-        decided = exit_loops(rule_gates[sel][:, :j], R, opts.threshold, opts.min_loops, opts.exit_rule)
-        rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
-    return rule_gates, rule_exits
-
-
-def _violations(
-    rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list[int | None], R: int, opts: VerifyOptions
-) -> list[dict]:
-    """A record's exit loops against the rule: rule_gates (n, R), ran (n,), rule_exits the rule's per token."""
-    sampled_exits = "exit_logprobs" in rec
+def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list, opts: VerifyOptions):
+    """A record's exit loops against the rule's, rule_gates (n, R), ran (n,): {"token", "recorded", "rule",
+    "margin"} per disagreement. `margin` is CDF - threshold at the first loop where the two decisions part
+    (tiny |margin|: a near-threshold flip; large: a wrong depth), None where no threshold could explain the
+    difference (none in the config, or a recorded exit before min_loops)."""
+    R, tau, min_loops, sampled_exits = rule_gates.shape[1], opts.threshold, opts.min_loops, "exit_logprobs" in rec
     violations = []
     for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], rule_exits)):
-        if sampled_exits and e < opts.min_loops:  # a draw the policy can never make (its log-prob is -inf)
-            violations.append({"token": k, "recorded": e, "rule": f">={opts.min_loops}", "margin": None})
+        if sampled_exits and e < min_loops:  # a draw the policy can never make (its log-prob is -inf)
+            violations.append({"token": k, "recorded": e, "rule": f">={min_loops}", "margin": None})
         elif not sampled_exits and e != rule_e:  # sampled exits are draws: no rule to break
-            g = rule_gates[k, : ran[k]]  # (loops run,)
-            v = _exit_violation(g, e, rule_e, R, opts.threshold, opts.min_loops, opts.exit_rule)
-            violations.append({"token": k, **v})
+            part, margin, j = min(e, R if rule_e is None else rule_e), None, int(ran[k])  # where the decisions part
+            if tau is not None and part >= min_loops:
+                g = torch.cat([rule_gates[k, :j], rule_gates.new_zeros(R - j)])  # (R,) loops never run read as 0
+                margin = float(exit_margin(g, R, tau, opts.exit_rule)[part - 1])
+            rule = f">{j}" if rule_e is None else rule_e
+            violations.append({"token": k, "recorded": e, "rule": rule, "margin": margin})
     return violations
 
 
@@ -2966,9 +2872,22 @@ def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: V
     R = model.config.total_ut_steps
     any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
     ro = records_rollout(recs, opts.kv, opts.exit_rule, "sampled" if any_sampled else "threshold", opts.min_loops)
-    uniforms, raw = _sampler_uniforms(ro, indices, opts.seed), _sampling(recs[0])[3] == "raw"
-    lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, raw)
-    rule_gates, rule_exits = _rule_exits(gates, ran, ro.mask, R, opts)
+    # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), so that
+    # the results do not depend on the batch.
+    uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
+    for b, (i, c) in enumerate(zip(indices, ro.completions)):
+        gen = torch.Generator().manual_seed(sampler_seed(opts.seed, i))
+        uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
+    lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, _sampling(recs[0])[3] == "raw")
+    # The rule at every producing position at once, positions grouped by the loops they ran (all R, except under
+    # kv="last_exited"), on the reference's gates rounded to the engine's dtype: an engine decides from gates in
+    # its own dtype, and HF's arithmetic rounds differently in each.
+    rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
+    rule_exits = torch.full(ro.mask.shape, -1, dtype=torch.long)  # (B, N) -1: undecided
+    for j in sorted(set(ran[ro.mask].tolist())):
+        sel = ro.mask & (ran == j)  # (B, N)
+        decided = exit_loops(rule_gates[sel][:, :j], R, opts.threshold, opts.min_loops, opts.exit_rule)
+        rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
     results = []
     for b, (i, rec) in enumerate(zip(indices, recs)):
         n = len(rec["completion_ids"])
@@ -2978,7 +2897,7 @@ def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: V
             err.index = i  # which record: the command names its file line
             raise
         exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
-        violations = _violations(rec, rule_gates[b, :n], ran[b, :n], exits, R, opts)
+        violations = _violations(rec, rule_gates[b, :n], ran[b, :n], exits, opts)
         results.append(VerifyResult.of(rec, lp[b, :n], exit_lp[b, :n], policy[b, :n], violations, exits))
     return results
 
@@ -2991,25 +2910,16 @@ def verify_records(
     first_index: int = 0,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[VerifyResult]:
-    """Recompute records teacher-forced (in the model's dtype), `opts.batch_size` sequences per pass
-    (records of the same sampling together; per-sequence results do not depend on the grouping beyond
-    rounding): every token's log-prob at its recorded exit loop, the exit rule at every producing position,
-    and the reference policy at that loop for the sampler test.
-
-    Returns a `VerifyResult` per record: "logprobs" (n,) float64 recomputed; "delta" (n,) recorded -
-    recomputed; "diff" (n,) |delta|; for records with "exit_logprobs" (sampled exits), "exit_logprobs",
-    "exit_delta" and "exit_diff" (n,) the same for log p(exit = e) (else None), and their exit loops are
-    draws: the only violation is one before min_loops; "rule_exits" the rule's exit loop per token (None:
-    undecided by the loops run); "violations" every disagreement, {"token", "recorded", "rule", "margin"}
-    (see `_exit_violation`); "pit" (n,) the randomized PIT of each token (temperature > 0, else None;
-    uniforms from `sampler_seed(opts.seed, first_index + i)`); "greedy_gap" (n,) max log-prob - the
-    token's (temperature 0, else None). The rule is evaluated on the reference's gates rounded to
-    `opts.rule_dtype` (the engine's dtype; default the model's). `on_batch(done)` reports progress. A
-    ValueError or NonFiniteError carries the failing record's index in `recs` as `.index`.
-    """
+    """Recompute records teacher-forced (in the model's dtype), `opts.batch_size` sequences per pass (records
+    of one sampling together; per-sequence results do not depend on the grouping beyond rounding): each token's
+    log-prob at its recorded exit loop, the exit rule at every producing position (on the reference's gates
+    rounded to `opts.rule_dtype`, the engine's dtype; default the model's), and the reference policy at that
+    loop for the sampler test (uniforms from `sampler_seed(opts.seed, first_index + i)`). A `VerifyResult` per
+    record, in order; `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the failing
+    record's index in `recs` as `.index`."""
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
-    results: list = [None] * len(recs)
+    results: dict[int, VerifyResult] = {}
     groups: dict[tuple, list[int]] = {}  # `_sampling` -> record indices (one sampling per pass)
     empty = torch.zeros(0, dtype=torch.float64)
     for i, rec in enumerate(recs):
@@ -3017,17 +2927,14 @@ def verify_records(
             groups.setdefault(_sampling(rec), []).append(i)
         else:  # nothing was generated: nothing to recompute
             results[i] = VerifyResult.of(rec, empty, empty, empty)
-    done = len(recs) - sum(map(len, groups.values()))
     for idx in groups.values():
         for c in range(0, len(idx), opts.batch_size):
             chunk = idx[c : c + opts.batch_size]
             batch = _verify_batch(model, [recs[i] for i in chunk], [first_index + i for i in chunk], opts)
-            for i, res in zip(chunk, batch):
-                results[i] = res
-            done += len(chunk)
+            results.update(zip(chunk, batch))
             if on_batch is not None:
-                on_batch(done)
-    return results
+                on_batch(len(results))  # the records done
+    return [results[i] for i in range(len(recs))]
 
 
 def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOptions(), index: int = 0) -> VerifyResult:
@@ -3037,9 +2944,9 @@ def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOption
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> float:
     """The q-quantile of sorted values, interpolated linearly (numpy's default)."""
-    pos = q * (sorted_values.numel() - 1)
+    pos, last = q * (sorted_values.numel() - 1), sorted_values.numel() - 1
     lo = math.floor(pos)
-    hi = min(lo + 1, sorted_values.numel() - 1)
+    hi = min(lo + 1, last)
     return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
 
 
@@ -3054,24 +2961,17 @@ def _first_mismatch(records: list[dict], results: list[VerifyResult], fails: lis
 
 def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor) -> dict:
     """The summary's statistics of recorded - reference log-probs over all tokens, delta (all tokens,)."""
-    diff = delta.abs()
-    if not diff.numel():
-        return {
-            "exit_agreement": None,
-            "abs_diff_quantiles": None,
-            "max_abs_diff_by_exit_loop": {},
-            "ratio_outside": {},
-        }
+    diff, n = delta.abs(), delta.numel()
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
     agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
     ranked = diff.sort().values
-    quantiles = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)}
+    quantiles = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)} if n else {}
     ratio = delta.exp()
-    return {
-        "exit_agreement": agree / diff.numel(),
-        "abs_diff_quantiles": quantiles | {"max": float(ranked[-1])},
+    return {  # None or {} without tokens
+        "exit_agreement": agree / n if n else None,
+        "abs_diff_quantiles": quantiles | {"max": float(ranked[-1])} if n else None,
         "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
-        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS},
+        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
     }
 
 
@@ -3086,6 +2986,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     ks, p_value = ks_uniform(pit) if pit.numel() else (None, None)
     exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
     exit_maxima = [float(d.max()) for d in exit_diffs if d.numel()]
+    first_violation = next(({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None)
     s = {
         "sequences": len(records),
         "tokens": int(delta.numel()),
@@ -3094,9 +2995,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         "exit_rule_violations": sum(len(f.violations) for f in fails),
         "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
         "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
-        "first_violation": next(
-            ({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None
-        ),
+        "first_violation": first_violation,
         **_diff_statistics(records, results, delta),
         "sampler_tokens": int(pit.numel()),
         "sampler_ks_statistic": ks,
@@ -3112,28 +3011,17 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         "flip_margin": opts.flip_margin,
         "sampler_alpha": opts.sampler_alpha,
     }
-    s["passed"] = (
-        s["mismatched_tokens"] == 0
-        and s["mismatched_exit_logprobs"] == 0
-        and s["exit_rule_violations"] == 0
-        and s["greedy_mismatches"] == 0
-        and s["tokens_after_stop"] == 0
-        and not (p_value is not None and p_value < opts.sampler_alpha)
-    )
+    counts = ("mismatched_tokens", "mismatched_exit_logprobs", "exit_rule_violations", "greedy_mismatches")
+    failed = any(s[key] for key in (*counts, "tokens_after_stop"))
+    s["passed"] = not failed and not (p_value is not None and p_value < opts.sampler_alpha)
     return s
 
 
 def _print_failures(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, limit: int = 20) -> None:
     """A line per failing sequence (the first `limit`), with its first few bad tokens."""
-    shown = 0
-    for i, (rec, res) in enumerate(zip(records, results)):
-        f = res.failures(opts.atol, opts.flip_margin)
-        if not f:
-            continue
-        shown += 1
-        if shown > limit:
-            print(f"  ... and more failing sequences (the first {limit} are shown)")
-            return
+    fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
+    failing = [(i, rec, res, f) for i, (rec, res, f) in enumerate(zip(records, results, fails)) if f]
+    for i, rec, res, f in failing[:limit]:
         print(
             f"  seq {i} (line {rec.get('line', '?')}): {len(rec['completion_ids'])} tokens, max |diff| "
             f"{float(res.diff.max()):.3e}, {len(f.logprobs)} over atol, {len(f.exit_logprobs)} exit log-probs over "
@@ -3155,6 +3043,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
         for k in f.after_stop[:1]:
             print(f"      token {k}: generated after stop id {rec['completion_ids'][k - 1]} (token {k - 1})")
+    if len(failing) > limit:
+        print(f"  ... and more failing sequences (the first {limit} are shown)")
 
 
 def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], summary: dict, R: int) -> None:
@@ -3170,16 +3060,11 @@ def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], s
     fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
     diff = torch.cat([r.diff for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
-    x = torch.arange(diff.numel())
-    cmap = plt.get_cmap("viridis", max(R, 2))
-    for r in range(1, R + 1):
-        sel = exits == r
-        if bool(sel.any()):
-            ax.scatter(x[sel], diff[sel], s=4, color=cmap(r - 1), label=f"exit loop {r}")
+    x, cmap = torch.arange(diff.numel()), plt.get_cmap("viridis", max(R, 2))
+    for r in sorted(set(exits.tolist())):
+        ax.scatter(x[exits == r], diff[exits == r], s=4, color=cmap(r - 1), label=f"exit loop {r}")
     ax.axhline(summary["atol"], ls="--", c="r", lw=1, label=f"atol {summary['atol']:g}")
-    ax.set_yscale("log")
-    ax.set_xlabel("token (records in file order)")
-    ax.set_ylabel("|recorded - reference| log-prob")
+    ax.set(yscale="log", xlabel="token (records in file order)", ylabel="|recorded - reference| log-prob")
     ax.legend(fontsize=7, markerscale=3)
     pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])
     if pit.numel():
@@ -3204,17 +3089,10 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
 
 
-def _progress(total: int, t0: float) -> Callable[[int], None]:
-    """`verify_records`' on_batch for the command: a line at most every 2 seconds, and one at the end."""
-    shown = [t0]
-
-    def progress(done: int) -> None:
-        now = time.time()
-        if now - shown[0] >= 2.0 or done == total:
-            print(f"  {done}/{total} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
-            shown[0] = now
-
-    return progress
+def flag_fields(cls, flags) -> dict:
+    """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
+    that build a `Policy` or `VerifyOptions`."""
+    return {f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)}
 
 
 def cmd_verify(args) -> int:
@@ -3222,43 +3100,33 @@ def cmd_verify(args) -> int:
     model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
     records = read_records(args.rollouts, model.config)
     opts = VerifyOptions.for_engine(
-        args.engine_dtype,
-        atol=args.atol,
-        flip_margin=args.flip_margin,
-        kv=args.kv,
-        threshold=args.exit_threshold,
-        min_loops=args.min_loops,
-        exit_rule=args.exit_rule,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        sampler_alpha=args.sampler_alpha,
+        args.engine_dtype, threshold=args.exit_threshold, **flag_fields(VerifyOptions, args)
     )
     print(
         f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
         f"({args.dtype} reference; engine {args.engine_dtype}: atol={opts.atol:g}, flip margin="
         f"{opts.flip_margin:g}; exit rule {args.exit_rule}, kv={args.kv})"
     )
-    t0 = time.time()
+    t0 = shown = time.time()
+
+    def progress(done: int) -> None:  # a line at most every 2 seconds, and one at the end
+        nonlocal shown
+        if (now := time.time()) - shown >= 2.0 or done == len(records):
+            print(f"  {done}/{len(records)} sequences, {done / max(now - t0, 1e-9):.1f} sequences/s")
+            shown = now
+
     try:
-        results = verify_records(model, records, opts, on_batch=_progress(len(records), t0))
+        results = verify_records(model, records, opts, on_batch=progress)
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
-    seconds = time.time() - t0
-    summary = verify_summary(records, results, opts)
-    summary.update(
-        engine_dtype=args.engine_dtype,
-        exit_rule=args.exit_rule,
-        seconds=round(seconds, 3),
-        sequences_per_second=round(len(records) / max(seconds, 1e-9), 1),
-    )
+    seconds, summary = time.time() - t0, verify_summary(records, results, opts)
+    summary.update(engine_dtype=args.engine_dtype, exit_rule=args.exit_rule, seconds=round(seconds, 3))
+    summary.update(sequences_per_second=round(len(records) / max(seconds, 1e-9), 1))
     _print_failures(records, results, opts)
-    if summary["near_threshold_flips"]:
-        print(
-            f"  {summary['near_threshold_flips']} near-threshold exit flips "
-            f"(|CDF - threshold| <= {opts.flip_margin:g}): not failures"
-        )
+    if flips := summary["near_threshold_flips"]:
+        print(f"  {flips} near-threshold exit flips (|CDF - threshold| <= {opts.flip_margin:g}): not failures")
     if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < opts.sampler_alpha:
         print(
             f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
@@ -3286,12 +3154,9 @@ def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
         key = "prompt_ids" if "prompt_ids" in d else "prompt"
         text = "" if key == "prompt_ids" else _check_text(d[key], where, key)
         ids = d[key] if key == "prompt_ids" else tok.encode(tok.chat(text) if tok.chat else text)
-        bad = [x for x in ids if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < V]
-        if bad or not ids:
-            raise ValueError(
-                f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1}"
-                + (f" (found {bad[0]!r})" if bad else " (it is empty)")
-            )
+        if (bad := _first_outside(ids, 0, V - 1)) or not ids:
+            problem = f"found {bad}" if bad else "it is empty"
+            raise ValueError(f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1} ({problem})")
         if len(ids) + flags.max_new_tokens > limit:
             raise ValueError(
                 f"{where}: {key!r}: {len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit "
@@ -3311,40 +3176,20 @@ def cmd_rollout(args) -> int:
     tok = _tokenizer(args.model)
     stop_ids = setup_prompts(tok, args, model.config)
     prompts = read_prompts(args, model.config, tok)
-    policy = Policy(
-        mode=args.mode,
-        numerics=args.numerics,
-        temperature=args.temperature,
-        exit_threshold=args.exit_threshold,
-        exit_rule=args.exit_rule,
-        exit_policy=args.exit_policy,
-        min_loops=args.min_loops,
-        kv=args.kv,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_ids=stop_ids,
-    )
+    policy = Policy(**flag_fields(Policy, args) | {"stop_ids": stop_ids})
     ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    bad = int((~torch.isfinite(ro.logprobs) & ro.mask).sum())
-    if bad:  # never write a record no verifier could check
+    if bad := int((~torch.isfinite(ro.logprobs) & ro.mask).sum()):  # never write a record no verifier could check
         raise ValueError(
             f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
             "small, or the model's logits overflow); nothing written"
         )
-    write_jsonl(args.out, rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None))
+    records = rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(Path(args.out), lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
     n = int(ro.mask.sum())
-    print(
-        json.dumps(
-            {
-                "sequences": len(prompts),
-                "tokens": n,
-                "out": args.out,
-                "mean_exit_loop": sum(map(sum, ro.exit_loops)) / max(1, n),
-                "row_loops": ro.schedule.row_loops(),
-                "calls": len(ro.schedule.calls),
-            }
-        )
-    )
+    mean_exit_loop = sum(map(sum, ro.exit_loops)) / max(1, n)
+    summary = {"sequences": len(prompts), "tokens": n, "out": args.out, "mean_exit_loop": mean_exit_loop}
+    print(json.dumps(summary | {"row_loops": ro.schedule.row_loops(), "calls": len(ro.schedule.calls)}))
     return 0
 
 
