@@ -1906,6 +1906,12 @@ def _flag(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+def flag_fields(cls, flags) -> dict:
+    """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
+    that build a `Policy` or `VerifyOptions`."""
+    return {f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)}
+
+
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:
     """One flag per field of the dataclass `cls`, with its type, default, choices and help."""
     group = None
@@ -2105,30 +2111,10 @@ class TrainConfig:
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
 
     def policy(self, stop_ids: tuple[int, ...]) -> Policy:
-        return Policy(
-            mode=self.mode,
-            numerics=self.numerics,
-            temperature=self.temperature,
-            exit_rule=self.exit_rule,
-            exit_policy=self.exit_policy,
-            min_loops=self.min_loops,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            stop_ids=stop_ids,
-        )
+        return Policy(**flag_fields(Policy, self) | {"stop_ids": stop_ids})
 
     def grpo(self) -> GRPOConfig:
-        return GRPOConfig(
-            group_size=self.group_size,
-            lr=self.lr,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            beta=self.beta,
-            scale_rewards=self.scale_rewards,
-            loss_agg=self.loss_agg,
-            mu=self.mu,
-            max_grad_norm=self.max_grad_norm,
-        )
+        return GRPOConfig(**flag_fields(GRPOConfig, self))
 
 
 def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
@@ -3087,12 +3073,6 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     if getattr(args, "model", None):
         return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
     return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
-
-
-def flag_fields(cls, flags) -> dict:
-    """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
-    that build a `Policy` or `VerifyOptions`."""
-    return {f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)}
 
 
 def cmd_verify(args) -> int:
