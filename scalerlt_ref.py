@@ -4040,6 +4040,8 @@ DEMO_PRESET = {
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
     "lr": (5e-4, "GRPO learning rate"),
+    "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
+    "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
     "mu": (1, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
     "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset

@@ -1955,9 +1955,13 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
 
 
 @slow
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16", "--export-rounding", "stochastic"]])
+def test_two_processes_match_one(tmp_path, dtype):
     """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
-    parameters after two steps agree with one process to 1e-5 relative."""
+    parameters after two steps agree with one process to 1e-5 relative. In bfloat16 (masters, a
+    stochastic export drawn alike on both ranks) the all-reduced bfloat16 gradient rounds differently
+    from one process's, so step 1's rollouts are identical, both runs exact (mismatched 0), and the
+    parameters agree to 1e-2."""
     script = str(Path(S.__file__).resolve())
     common = [
         "train",
@@ -1982,6 +1986,7 @@ def test_two_processes_match_one(tmp_path):
         "--log-rollouts",
         "--lr",
         "1e-2",
+        *dtype,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one, two = tmp_path / "one", tmp_path / "two"
@@ -2016,16 +2021,22 @@ def test_two_processes_match_one(tmp_path):
         return out
 
     r1, r2 = records(one), records(two)
-    assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
+    if dtype:
+        r1, r2 = ({k: v for k, v in r.items() if k[0] == 1} for r in (r1, r2))
+        for run in (one, two):
+            assert all(json.loads(x)["exact/mismatched_tokens"] == 0 for x in (run / "metrics.jsonl").open())
+    assert len(r1) == (1 if dtype else 2) * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
     assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
     st_ = pytest.importorskip("safetensors.torch")
     a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
     start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
     assert a.keys() == b.keys() and len(a) > 0 and a.keys() <= start.keys()
     for k in a:
-        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
-        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
-    assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
+        rel = float((a[k] - b[k]).float().norm() / a[k].float().norm().clamp_min(1e-30))
+        assert rel <= (1e-2 if dtype else 1e-5), f"{k}: relative difference {rel:.2e}"
+    assert any(not torch.equal(a[k], start[k].to(a[k].dtype)) for k in a), (
+        "the reward gave no gradient: the test would be vacuous"
+    )
 
 
 @pytest.mark.parametrize(
