@@ -2158,9 +2158,7 @@ class TrainConfig:
     )
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
-    dtype: str = _flag(
-        "float32", "model dtype (bfloat16: float32 master weights, a bfloat16 copy samples)", choices=tuple(DTYPES)
-    )
+    dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
     export_rounding: str = _flag(
         "stochastic", "bfloat16: how the copy is exported from the masters after every step", choices=EXPORT_ROUNDINGS
     )
@@ -2241,9 +2239,9 @@ def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict
 
 def export_rounded(master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None):
     """A float32 master tensor rounded to bfloat16 by `rule`. nearest: to the nearest (ties to even).
-    stochastic: up with probability (master - lower neighbour) / gap, so the copy's mean is the master
-    (draws from `gen`). error-feedback: master + residual to the nearest; the new rounding error is left in
-    `residual` (in place), so the copies' running sum trails the masters' by one residual at most."""
+    stochastic: away from zero with probability (distance to the neighbour toward zero) / gap, so the
+    copy's mean is the master (draws from `gen`). error-feedback: master + residual to the nearest, the new
+    error left in `residual` (in place): the copies' running sum is the masters' up to the last residual."""
     if rule == "error-feedback":
         target = master + residual
         copy = target.to(torch.bfloat16)
@@ -2293,12 +2291,9 @@ class MasterWeights:
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         e = state["exporter"]
-        for mine, saved in zip(
-            self.masters + self.start + (self.residuals or []),
-            state["masters"] + e["start"] + (e["residuals"] or []),
-            strict=True,
-        ):
-            mine.copy_(saved)
+        mine = self.masters + self.start + (self.residuals or [])
+        for a, b in zip(mine, state["masters"] + e["start"] + (e["residuals"] or []), strict=True):
+            a.copy_(b)
         self.opt.load_state_dict(state["optimizer"])
         self.gen.set_state(e["generator"])
 
@@ -2309,13 +2304,14 @@ class MasterWeights:
         |masters - start|^2, the share of the masters' movement the copy has made (expected 1 when unbiased)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
         for m, c, s in zip(self.masters, self.copies, self.start):
-            moved, behind = (m - s.float()).double(), (c.float() - m).double()
-            sums += torch.stack([moved.square().sum(), behind.square().sum(), (moved * (moved + behind)).sum()])
+            moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
+            sums += torch.stack(
+                [(x * y).sum(dtype=torch.float64) for x, y in ((moved, moved), (behind, behind), (moved, made))]
+            )
         moved2, behind2, dot = sums.tolist()
-        return {
-            "export/lag": (behind2 / moved2) ** 0.5 if moved2 else 0.0,
-            "export/reached": dot / moved2 if moved2 else 1.0,
-        }
+        if not moved2:  # the masters have not moved: nothing to trail
+            return {"export/lag": 0.0, "export/reached": 1.0}
+        return {"export/lag": (behind2 / moved2) ** 0.5, "export/reached": dot / moved2}
 
 
 def _train_step(
@@ -2538,12 +2534,8 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
 
 
 def _stopped(e: Exception, step: int, out: Path | None, say: Callable[[str], None]) -> None:
-    last = out / "trainer_state.pt" if out else None
-    where = (
-        f"{last} (step {torch.load(last, weights_only=True)['step']})"
-        if last and last.exists()
-        else "no checkpoint was written yet"
-    )
+    last = out / "trainer_state.pt" if out and (out / "trainer_state.pt").exists() else None
+    where = f"{last} (step {torch.load(last, weights_only=True)['step']})" if last else "no checkpoint was written yet"
     say(
         f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
         "Try a lower --lr, float32, or a smaller --max-grad-norm."
