@@ -11,7 +11,8 @@ guarantees, and the tests that prove it":
  8. the trainer;
  9. the oracle, `verify`;
 10. real checkpoints and the bench;
-11. bad input is a one-line error.
+11. bad input is a one-line error;
+12. bfloat16 training keeps its updates (float32 masters, an exported bfloat16 copy).
 
 Tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops, float32 and bfloat16). Where two tests
 would differ by a setting (the exit policy, the exit rule) one test is parametrized by it. Helpers sit at
