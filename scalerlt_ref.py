@@ -2290,11 +2290,13 @@ class MasterWeights:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])  # AdamW casts moments saved in another dtype to float32
+        if "masters" not in state:  # a float32 run, or an old in-place bfloat16 one: the masters are its weights
+            return
         e = state["exporter"]
         mine = self.masters + self.start + (self.residuals or [])
         for a, b in zip(mine, state["masters"] + e["start"] + (e["residuals"] or []), strict=True):
             a.copy_(b)
-        self.opt.load_state_dict(state["optimizer"])
         self.gen.set_state(e["generator"])
 
     @torch.no_grad()
@@ -2407,16 +2409,13 @@ def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) 
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
-def _load_trainer_state(path: Path, model: LoopedLM, dtype: str) -> dict:
+def _load_trainer_state(path: Path, model: LoopedLM) -> dict:
     """Load weights and the global RNG from a trainer_state.pt; return the state (step, optimizer, ...)."""
     try:
         state = torch.load(path, weights_only=True)  # tensors and plain data only: never unpickle code
         model.load_state_dict(state["model"])
-        trained_in = state["extra"]["args"]["dtype"]
     except Exception as e:  # a truncated or foreign file: say which
         raise ValueError(f"{path}: cannot resume from it ({e})") from None
-    if trained_in != dtype:  # masters exist only below float32
-        raise ValueError(f"--resume: {path} was trained in {trained_in}, not --dtype {dtype}")
     torch.set_rng_state(state["torch_rng"])
     return state
 
@@ -2513,7 +2512,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
     model, tok = _load_policy(cfg, device)
     problems = _load_problems(cfg, tok, model.config)
-    state = _load_trainer_state(out / "trainer_state.pt", model, cfg.dtype) if cfg.resume else None
+    state = _load_trainer_state(out / "trainer_state.pt", model) if cfg.resume else None
     if state:
         say(f"resumed from {out / 'trainer_state.pt'} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
