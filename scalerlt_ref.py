@@ -2237,7 +2237,9 @@ def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict
     }
 
 
-def export_rounded(master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None):
+def export_rounded(
+    master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
+) -> torch.Tensor:
     """A float32 master tensor rounded to bfloat16 by `rule`. nearest: to the nearest (ties to even).
     stochastic: away from zero with probability (distance to the neighbour toward zero) / gap, so the
     copy's mean is the master (draws from `gen`). error-feedback: master + residual to the nearest, the new
@@ -2245,7 +2247,7 @@ def export_rounded(master: torch.Tensor, rule: str, gen: torch.Generator, residu
     if rule == "error-feedback":
         target = master + residual
         copy = target.to(torch.bfloat16)
-        residual.copy_(target - copy.float())  # exact: the two agree in sign and binade (Sterbenz)
+        residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
         return copy
     if rule == "stochastic":
         # NOTE: a bfloat16 is the top 16 bits of a float32. Adding a uniform 16-bit integer to the bits and
