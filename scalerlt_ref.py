@@ -2049,6 +2049,7 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
 TOP_P_HELP = "then among the most likely whose probability reaches this, as vLLM (1: all; applied after top-k)"
+EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copies of float32 masters
 
 
 @dataclass
@@ -2087,7 +2088,10 @@ class TrainConfig:
     )
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
-    dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
+    dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
+    export_rounding: str = _flag(
+        "stochastic", "bfloat16: how the copy is exported from the masters after every step", choices=EXPORT_ROUNDINGS
+    )
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
     lr: float = _flag(1e-3, "AdamW learning rate", within=(0.0, 1.0, "(]"))
@@ -2155,6 +2159,87 @@ def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict
     }
 
 
+def export_rounded(
+    master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """A float32 master tensor rounded to bfloat16 by `rule`. nearest: to the nearest (ties to even).
+    stochastic: away from zero with probability (distance to the neighbour toward zero) / gap, so the
+    copy's mean is the master (draws from `gen`). error-feedback: master + residual to the nearest, the new
+    error left in `residual` (in place): the copies' running sum is the masters' up to the last residual."""
+    if rule == "error-feedback":
+        target = master + residual
+        copy = target.to(torch.bfloat16)
+        residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
+        return copy
+    if rule == "stochastic":
+        # NOTE: a bfloat16 is the top 16 bits of a float32. Adding a uniform 16-bit integer to the bits and
+        # dropping the low 16 carries into the kept bits (one step away from zero) with probability (dropped
+        # bits) / 2^16: the master's distance from the lower magnitude over the gap, for either sign.
+        noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
+        return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+    return master.to(torch.bfloat16)
+
+
+class MasterWeights:
+    """The optimizer `train` hands grpo_update below float32: float32 master weights under AdamW, and the
+    model (the copy that rolls out, replays and is teacher-forced) exported from them after every step.
+    The copy's gradient, all-reduced and clipped by grpo_update, is the masters' gradient (the usual
+    mixed-precision step). NOTE: the masters start as the copy's exact float32 value, so step 1 samples
+    what a plain bfloat16 run samples, and the lag metric's start point can be kept in bfloat16."""
+
+    def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
+        self.copies, self.rounding = list(model.parameters()), rounding
+        self.masters = [p.detach().float() for p in self.copies]
+        self.start = [p.detach().clone() for p in self.copies]
+        self.residuals = [torch.zeros_like(m) for m in self.masters] if rounding == "error-feedback" else None
+        self.gen = torch.Generator(model.device).manual_seed(seed)
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.copies + self.masters:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for m, c in zip(self.masters, self.copies):
+            m.grad = None if c.grad is None else c.grad.float()
+        self.opt.step()
+        for i, (m, c) in enumerate(zip(self.masters, self.copies)):
+            m.grad = None
+            c.copy_(export_rounded(m, self.rounding, self.gen, self.residuals and self.residuals[i]))
+
+    def state_dict(self) -> dict:
+        exporter = {"start": self.start, "residuals": self.residuals, "generator": self.gen.get_state()}
+        return {"masters": self.masters, "optimizer": self.opt.state_dict(), "exporter": exporter}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])  # AdamW casts moments saved in another dtype to float32
+        if "masters" not in state:  # a float32 run, or an old in-place bfloat16 one: the masters are its weights
+            return
+        e = state["exporter"]
+        mine = self.masters + self.start + (self.residuals or [])
+        for a, b in zip(mine, state["masters"] + e["start"] + (e["residuals"] or []), strict=True):
+            a.copy_(b)
+        self.gen.set_state(e["generator"])
+
+    @torch.no_grad()
+    def lag(self) -> dict:
+        """How far the copy trails the masters: export/lag = |copy - masters| / |masters - start| (1: the
+        copy has not moved; 0: it is the masters), and export/reached = <copy - start, masters - start> /
+        |masters - start|^2, the share of the masters' movement the copy has made (expected 1 when unbiased)."""
+        sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
+        for m, c, s in zip(self.masters, self.copies, self.start):
+            moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
+            sums += torch.stack(
+                [(x * y).sum(dtype=torch.float64) for x, y in ((moved, moved), (behind, behind), (moved, made))]
+            )
+        moved2, behind2, dot = sums.tolist()
+        if not moved2:  # the masters have not moved: nothing to trail
+            return {"export/lag": 0.0, "export/reached": 1.0}
+        return {"export/lag": (behind2 / moved2) ** 0.5, "export/reached": dot / moved2}
+
+
 def _train_step(
     cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict, out: Path | None
 ) -> dict:
@@ -2187,7 +2272,7 @@ def _train_step(
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
     t1 = time.time()
     m = grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
-    m |= rollout_metrics(ro, rewards, grpo.group_size)
+    m |= rollout_metrics(ro, rewards, grpo.group_size) | (opt.lag() if isinstance(opt, MasterWeights) else {})
     dt = time.time() - t0
     m["accuracy"] = accuracy
     m["task_reward"] = sum(task) / len(task)
@@ -2240,30 +2325,26 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
     return fit
 
 
-def save_trainer_state(out: Path, model: LoopedLM, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
-    """The HF-layout model (for users) and trainer_state.pt (model, optimizer, RNG, step: for --resume),
-    each written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes
-    can never pair weights of one step with an optimizer of another."""
+def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
+    """The HF-layout model (for users; below float32 the exported copy) and trainer_state.pt (model,
+    optimizer, RNG, step; below float32 also the masters and the exporter: for --resume), each written
+    atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes can never
+    pair weights of one step with an optimizer of another."""
     model.save_pretrained(out)
-    state = {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "extra": extra,
-    }
+    opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
+    state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
-def _load_trainer_state(path: Path, model: LoopedLM):
-    """Load weights and the global RNG from a trainer_state.pt; return (step, optimizer state, reference)."""
+def _load_trainer_state(path: Path, model: LoopedLM) -> dict:
+    """Load weights and the global RNG from a trainer_state.pt; return the state (step, optimizer, ...)."""
     try:
         state = torch.load(path, weights_only=True)  # tensors and plain data only: never unpickle code
         model.load_state_dict(state["model"])
     except Exception as e:  # a truncated or foreign file: say which
         raise ValueError(f"{path}: cannot resume from it ({e})") from None
     torch.set_rng_state(state["torch_rng"])
-    return state["step"], state["optimizer"], state["extra"].get("reference")
+    return state
 
 
 def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
@@ -2343,20 +2424,13 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     }
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
-
-    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
-    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
-    """
-    check_flags(cfg)
-    dist = _distributed_setup(cfg)
-    rank, world = dist["rank"], dist["world"]
-    if cfg.prompts_per_step % world:
+def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
+    """The model, tokenizer and problems; then the resumed state (or the warm start), the optimizer (below
+    float32: `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
+    if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
-            f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {world}"
+            f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
         )
-    say = log if rank == 0 else (lambda *_: None)
     device = torch.device(
         cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
     )
@@ -2365,27 +2439,63 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
     model, tok = _load_policy(cfg, device)
     problems = _load_problems(cfg, tok, model.config, say)
-    grpo = cfg.grpo()
-    start_step, opt_state, ref_state = 0, None, None
-    if cfg.resume:
-        start_step, opt_state, ref_state = _load_trainer_state(out / "trainer_state.pt", model)
-        say(f"resumed from {out / 'trainer_state.pt'} at step {start_step}")
+    state = _load_trainer_state(out / "trainer_state.pt", model) if cfg.resume else None
+    if state:
+        say(f"resumed from {out / 'trainer_state.pt'} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
     model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
-    opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
+    grpo = cfg.grpo()
+    if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
+        opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
+    if state:
+        opt.load_state_dict(state if isinstance(opt, MasterWeights) else state["optimizer"])
+    ref = None
+    if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
+        ref = empty_model(model.config, model.dtype, device)
+        ref.load_state_dict((state and state["extra"].get("reference")) or model.state_dict())
+    return model, tok, problems, opt, ref, state["step"] if state else 0
+
+
+def _stopped(e: Exception, step: int, out: Path | None, say: Callable[[str], None]) -> None:
+    last = out / "trainer_state.pt" if out and (out / "trainer_state.pt").exists() else None
+    where = f"{last} (step {torch.load(last, weights_only=True)['step']})" if last else "no checkpoint was written yet"
+    say(
+        f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+        "Try a lower --lr, float32, or a smaller --max-grad-norm."
+    )
+
+
+def _progress_line(cfg: TrainConfig, m: dict, eta: float) -> str:
+    return (
+        f"step {m['step']}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+        f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
+        + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
+        + (f"lag {m['export/lag']:.2f} reached {m['export/reached']:.2f}  " if "export/lag" in m else "")
+        + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
+    )
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
+
+    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
+    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
+    """
+    check_flags(cfg)
+    dist = _distributed_setup(cfg)
+    rank = dist["rank"]
+    say = log if rank == 0 else (lambda *_: None)
+    model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
+    out = Path(cfg.out) if cfg.out else None
     if rank == 0 and model.dtype == torch.bfloat16:
-        slow = bf16_warning(bf16_slowdown(model.config, device))
+        slow = bf16_warning(bf16_slowdown(model.config, model.device))
         if slow:
             say(slow)
     if on_start is not None:
         on_start(model, tok)
-    ref = None
-    if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
-        ref = empty_model(model.config, model.dtype, device)
-        ref.load_state_dict(ref_state if ref_state is not None else model.state_dict())
     if out:
         _truncate_logs(out, rank, start_step, say)
     t_run = time.time()
@@ -2394,37 +2504,18 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         try:
             m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
         except (NonFiniteError, ReplayMismatchError) as e:
-            last = out / "trainer_state.pt" if out else None
-            where = (
-                f"{last} (step {torch.load(last, weights_only=True)['step']})"
-                if last and last.exists()
-                else "no checkpoint was written yet"
-            )
-            say(
-                f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
-                "Try a lower --lr, float32, or a smaller --max-grad-norm."
-            )
+            _stopped(e, step, out, say)
             raise
         history.append(m)
-        if rank == 0:
-            eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
-            say(
-                f"step {step + 1}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
-                f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-                + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
-                + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
-            )
-            if out:
-                with open(out / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(m) + "\n")
-            if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
-                save_trainer_state(
-                    out,
-                    model,
-                    opt,
-                    step + 1,
-                    {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None},
-                )
+        if rank != 0:
+            continue
+        say(_progress_line(cfg, m, (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)))
+        if out:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(m) + "\n")
+        if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            extra = {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None}
+            save_trainer_state(out, model, opt, step + 1, extra)
     if dist["world"] > 1:
         torch.distributed.destroy_process_group()
     return {"model": model, "tokenizer": tok, "history": history}
@@ -3682,6 +3773,8 @@ DEMO_PRESET = {
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
     "lr": (5e-4, "GRPO learning rate"),
+    "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
+    "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
     "mu": (1, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),

@@ -12,7 +12,8 @@ guarantees, and the tests that prove it":
  9. the oracle, `verify`;
 10. real checkpoints and the bench;
 11. bad input is a one-line error;
-12. the README runs as written (its blocks, in order, at tiny sizes).
+12. bfloat16 training keeps its updates (float32 masters, an exported bfloat16 copy);
+13. the README runs as written (its blocks, in order, at tiny sizes).
 
 Tiny random models drawn by hypothesis (GQA and MHA, 1-4 loops, float32 and bfloat16). Where two tests
 would differ by a setting (the exit policy, the exit rule) one test is parametrized by it. Helpers sit at
@@ -1846,11 +1847,13 @@ sys.exit(S.main(sys.argv[2:]))
 
 
 @slow
-def test_resumed_run_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16", "--export-rounding", "stochastic"]])
+def test_resumed_run_equals_uninterrupted(tmp_path, dtype):
     """A run SIGKILLed between two checkpoints (after step 3's metrics and step 4's update, with step 2
     the last checkpoint), resumed, ends bit for bit where a run that never stopped ends: the weights,
-    every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside)."""
-    args = _train_args(steps=4, save_every=2) + ["--reward", "digits"]
+    every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside); in
+    bfloat16 also the float32 masters and the exporter (its generator, the start for the lag metric)."""
+    args = _train_args(steps=4, save_every=2) + ["--reward", "digits", *dtype]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     a, b, flag = tmp_path / "a", tmp_path / "b", tmp_path / "step4_updated"
     subprocess.run(
@@ -1899,7 +1902,11 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
         d = maxdiff(x["model"][k], y["model"][k])
         assert torch.equal(x["model"][k], y["model"][k]), f"{k}: max |diff| = {d:.3e}"
     start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
-    assert any(not torch.equal(x["model"][k], start[k]) for k in start), "the run did not learn: vacuous"
+    assert any(not torch.equal(x["model"][k], start[k].to(x["model"][k].dtype)) for k in start), "vacuous"
+    assert ("masters" in x) == bool(dtype) and ("masters" in y) == bool(dtype)
+    _assert_same_state(
+        {k: x[k] for k in ("masters", "exporter") if k in x}, {k: y[k] for k in ("masters", "exporter") if k in y}
+    )
     ox, oy = x["optimizer"], y["optimizer"]
     assert ox["param_groups"] == oy["param_groups"]
     assert ox["state"].keys() == oy["state"].keys() and len(ox["state"]) > 0
@@ -1921,12 +1928,32 @@ def test_resumed_run_equals_uninterrupted(tmp_path):
     assert logs[0] == logs[1] and [m["step"] for m in logs[1]] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
-def test_resumed_run_in_process_equals_uninterrupted(tmp_path, exit_policy):
-    """--resume continues bit for bit, in-process (the quick twin of the kill test above) and with sampled
-    exits (whose draws share the sequences' generators): 3 steps straight = 2 steps, then resumed to 3."""
+def _assert_same_state(x, y, where: str = "trainer_state") -> None:
+    """Two saved states (nested dicts and lists of tensors and plain data) are equal bit for bit."""
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype, where
+        assert torch.equal(x, y), f"{where}: max |diff| = {maxdiff(x, y):.3e}"
+    elif isinstance(x, (dict, list, tuple)):
+        assert type(x) is type(y) and len(x) == len(y), where
+        for k in x if isinstance(x, dict) else range(len(x)):
+            _assert_same_state(x[k], y[k], f"{where}.{k}")
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"
+
+
+BF16 = dict(dtype="bfloat16", export_rounding="stochastic")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(exit_policy="threshold"), dict(exit_policy="sampled"), BF16, BF16 | dict(export_rounding="error-feedback")],
+)
+def test_resumed_run_in_process_equals_uninterrupted(tmp_path, options):
+    """--resume continues bit for bit, in-process (the quick twin of the kill test above), with sampled
+    exits (whose draws share the sequences' generators), and in bfloat16 with each unbiased export (the
+    masters, the copy, AdamW and the exporter: generator, residuals): 3 steps straight = 2, then 3."""
     base = dict(config=TINY_JSON, prompts_per_step=2, group_size=2, max_new_tokens=4, reward="digits",
-                exit_policy=exit_policy, loop_cost=0.05, save_every=1)  # fmt: skip
+                loop_cost=0.05, save_every=1, **options)  # fmt: skip
     straight = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "a"), **base), log=lambda *_: None)["model"]
     S.train(S.TrainConfig(steps=2, out=str(tmp_path / "b"), **base), log=lambda *_: None)
     resumed = S.train(S.TrainConfig(steps=3, out=str(tmp_path / "b"), resume=True, **base), log=lambda *_: None)[
@@ -1936,7 +1963,11 @@ def test_resumed_run_in_process_equals_uninterrupted(tmp_path, exit_policy):
     assert names == [n for n, _ in resumed.named_parameters()] and names
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q), n
-    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0)
+    x, y = (torch.load(tmp_path / d / "trainer_state.pt", weights_only=True) for d in "ab")
+    assert x.keys() == y.keys() and ("masters" in x) == ("dtype" in options)
+    _assert_same_state({k: v for k, v in x.items() if k not in ("torch_rng", "extra")},
+                       {k: v for k, v in y.items() if k not in ("torch_rng", "extra")})  # fmt: skip
+    start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).to(straight.dtype)
     assert any(not torch.equal(p, q) for p, q in zip(start.parameters(), straight.parameters())), (
         "the run changed nothing: the test would be vacuous"
     )
@@ -2014,9 +2045,13 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
 
 
 @slow
-def test_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16", "--export-rounding", "stochastic"]])
+def test_two_processes_match_one(tmp_path, dtype):
     """torchrun with 2 gloo processes is the same algorithm: identical rollouts per sequence, and the
-    parameters after two steps agree with one process to 1e-5 relative."""
+    parameters after two steps agree with one process to 1e-5 relative. In bfloat16 (masters, a
+    stochastic export drawn alike on both ranks) the all-reduced bfloat16 gradient rounds differently
+    from one process's, so step 1's rollouts are identical, both runs exact (mismatched 0), and the
+    parameters agree to 1e-2."""
     script = str(Path(S.__file__).resolve())
     common = [
         "train",
@@ -2041,6 +2076,7 @@ def test_two_processes_match_one(tmp_path):
         "--log-rollouts",
         "--lr",
         "1e-2",
+        *dtype,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one, two = tmp_path / "one", tmp_path / "two"
@@ -2075,16 +2111,22 @@ def test_two_processes_match_one(tmp_path):
         return out
 
     r1, r2 = records(one), records(two)
-    assert len(r1) == 2 * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
+    if dtype:
+        r1, r2 = ({k: v for k, v in r.items() if k[0] == 1} for r in (r1, r2))
+        for run in (one, two):
+            assert all(json.loads(x)["exact/mismatched_tokens"] == 0 for x in (run / "metrics.jsonl").open())
+    assert len(r1) == (1 if dtype else 2) * 4 * 2 and r1 == r2, "rollouts differ between one and two processes"
     assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
     st_ = pytest.importorskip("safetensors.torch")
     a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
     start = S.LoopedLM(S.Config.from_json(TINY_JSON), seed=0).state_dict()
     assert a.keys() == b.keys() and len(a) > 0 and a.keys() <= start.keys()
     for k in a:
-        rel = float((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-30))
-        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
-    assert any(not torch.equal(a[k], start[k]) for k in a), "the reward gave no gradient: the test would be vacuous"
+        rel = float((a[k] - b[k]).float().norm() / a[k].float().norm().clamp_min(1e-30))
+        assert rel <= (1e-2 if dtype else 1e-5), f"{k}: relative difference {rel:.2e}"
+    assert any(not torch.equal(a[k], start[k].to(a[k].dtype)) for k in a), (
+        "the reward gave no gradient: the test would be vacuous"
+    )
 
 
 @pytest.mark.parametrize(
@@ -3410,7 +3452,96 @@ def test_record_key_of_wrong_type_says_so(tmp_path, capsys, key):
     _one_line_error(err, f"{records}:2:", f"key {key!r} must be a list, got str")
 
 
-# --- 12. The README runs as written --------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------
+# 12. bfloat16 training keeps its updates: float32 masters, a bfloat16 copy exported after every step
+# ---------------------------------------------------------------------------------------------------
+
+
+def _between_neighbours(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n float32 values strictly between two bfloat16 neighbours (both signs, magnitudes 2^-14..2^7, the
+    dropped 16 bits 1, 2^15 (a tie) or random), with each one's neighbours toward and away from zero."""
+    g = torch.Generator().manual_seed(0)
+    down = (torch.rand(n, generator=g) * 21 - 14).exp2().to(torch.bfloat16).float()  # (n,) on the bf16 grid
+    down = torch.where(torch.arange(n) % 2 == 0, down, -down)
+    low = torch.randint(1, 1 << 16, (n,), generator=g, dtype=torch.int32)  # (n,) the dropped bits, never 0
+    low[:2], low[2:4] = 1, 1 << 15
+    x = (down.view(torch.int32) | low).view(torch.float32)  # (n,) down's magnitude + low / 2^16 of a gap
+    up = (down.view(torch.int32) + (1 << 16)).view(torch.float32)  # (n,) the next bfloat16 away from zero
+    return x, down, up
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Stochastic export lands on one of the two bfloat16 neighbours, with the master as its mean: over
+    N = 20,000 draws per value the mean is within 5 standard errors (gap / 2 / sqrt(N), the most a
+    two-point draw can have: 0.018 of a gap) of the float32 master, for values between two neighbours."""
+    x, down, up = _between_neighbours(64)
+    N, gen = 20_000, torch.Generator().manual_seed(1)
+    draws = S.export_rounded(x.expand(N, -1).contiguous(), "stochastic", gen, None).float()  # (N, 64)
+    assert torch.all((draws == down) | (draws == up))
+    gap = (up - down).abs().double()  # (64,)
+    err = (draws.double().mean(0) - x.double()).abs() / gap  # (64,) in gaps
+    assert float(err.max()) <= 5 * 0.5 / N**0.5, f"max bias {float(err.max()):.2e} gaps"
+    nearest = (S.export_rounded(x, "nearest", gen, None).double() - x.double()).abs() / gap
+    assert float(nearest.max()) == 0.5  # at a tie: nearest fails the same bound (the test can fail)
+
+
+def test_error_feedback_carries_its_residual_exactly():
+    """Error feedback rounds master + residual to the nearest and keeps the new error: copy + new residual
+    is master + old residual exactly (float32), the residual stays within half a gap, and over T exports
+    of a fixed master the copies' sum is T x master minus the last residual, so their mean is the master."""
+    x, down, up = _between_neighbours(64)
+    gap = (up - down).abs()
+    residual, total, T = torch.zeros_like(x), torch.zeros_like(x, dtype=torch.float64), 100
+    for _ in range(T):
+        target = x + residual
+        copy = S.export_rounded(x, "error-feedback", None, residual)  # updates residual in place
+        assert copy.dtype == torch.bfloat16 and torch.equal(copy.float() + residual, target)
+        assert torch.all(residual.abs() <= gap / 2)
+        total += copy.double()
+    assert torch.equal(total, T * x.double() - residual.double())  # exact: every term fits in float64
+
+
+def test_nearest_drops_a_tiny_step_while_the_masters_move():
+    """The failure this fixes: with `nearest`, one AdamW step below half a bfloat16 gap (lr 1e-3 down
+    from weights in [0.51, 0.99], whose half gap is 2^-9) moves every float32 master and leaves the copy, the policy
+    that samples, bit for bit where it was (lag 1, reached 0); stochastic rounding moves the copy by the
+    masters' step on average (export/reached within 0.15 of 1, 5 standard errors)."""
+    for rule in ("nearest", "stochastic"):
+        model = S.LoopedLM(S.Config(**TINY), seed=0).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.uniform_(0.51, 0.99, generator=torch.Generator().manual_seed(p.numel()))
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = S.MasterWeights(model, lr=1e-3, weight_decay=0.0, rounding=rule, seed=0)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert all(torch.all(m != b.float()) for m, b in zip(opt.masters, before))
+        same = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+        lag = opt.lag()
+        if rule == "nearest":
+            assert same and lag == {"export/lag": 1.0, "export/reached": 0.0}, lag
+        else:
+            assert not same and abs(lag["export/reached"] - 1) < 0.15, lag
+
+
+@pytest.mark.parametrize("mode", ["dense", "deferred"])
+@pytest.mark.parametrize("rule", S.EXPORT_ROUNDINGS)
+def test_bfloat16_training_is_exact_with_every_export_rule(rule, mode):
+    """The rollout and the replay run on the same exported copy: every step's first-iteration ratios are
+    exactly 1 and no token mismatches, with each rule (mu = 2: a second iteration after an export too),
+    and the lag metrics are logged."""
+    cfg = S.TrainConfig(config=TINY_JSON, steps=3, prompts_per_step=2, group_size=2, max_new_tokens=4,
+                        reward="digits", dtype="bfloat16", export_rounding=rule, mode=mode, mu=2,
+                        lr=1e-2, device="cpu")  # fmt: skip
+    result = S.train(cfg, log=lambda *_: None)
+    for m in result["history"]:
+        assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0 and m["exact/mismatched_tokens"] == 0, m
+        assert m["sampling/sampling_logp_difference/max"] == 0.0 and "export/lag" in m, m
+    assert result["model"].dtype == torch.bfloat16
+
+
+# --- 13. The README runs as written --------------------------------------------------------------------------
 
 # How the README check shrinks the README's commands to CI size (each command keeps its own flags; these are
 # appended to every `scalerlt_ref.py <command>`, and argparse lets the last value of a flag win; step counts
