@@ -2244,24 +2244,15 @@ def _train_step(
     cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict, out: Path | None
 ) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
-    rank, world, grpo = dist["rank"], dist["world"], cfg.grpo()
-    P, G = cfg.prompts_per_step, cfg.group_size
+    rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
     t0 = time.time()
-    pick = torch.randint(
-        len(problems), (P,), generator=torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
-    ).tolist()
+    gen = torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
+    pick = torch.randint(len(problems), (P,), generator=gen).tolist()
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
-    policy = cfg.policy(tok.stop_ids)
-    ro = rollout(
-        model,
-        [encode_problem(tok, p)[0] for p in batch],
-        policy,
-        max_new_tokens=cfg.max_new_tokens,
-        seed=cfg.seed,
-        sequence_ids=gids,
-    )
+    prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
+    ro = rollout(model, prompts, policy, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, sequence_ids=gids)
     texts = [tok.decode(c) for c in ro.completions]
     task = [reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)]
     rewards = torch.tensor([loop_cost_reward(x, e, cfg.loop_cost) for x, e in zip(task, ro.exit_loops)])
@@ -2271,34 +2262,15 @@ def _train_step(
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
     t1 = time.time()
-    m = grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
-    m |= rollout_metrics(ro, rewards, grpo.group_size) | (opt.lag() if isinstance(opt, MasterWeights) else {})
+    m = grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
+    m |= rollout_metrics(ro, rewards, G) | (opt.lag() if isinstance(opt, MasterWeights) else {})
     dt = time.time() - t0
-    m["accuracy"] = accuracy
-    m["task_reward"] = sum(task) / len(task)
+    m |= {"accuracy": accuracy, "task_reward": sum(task) / len(task)}
     if dist["all_reduce"] is not None:  # report global figures
         for key in ("reward", "task_reward", "accuracy", "exit/mean_loops", "exit/logprob_mean"):
             m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=model.device))) / world
-    m.update(
-        step=step + 1,
-        seconds=round(dt, 3),
-        rollout_seconds=round(t1 - t0, 3),
-        tokens_per_second=round(int(ro.mask.sum()) * world / dt, 1),
-    )
-    return m
-
-
-def _load_policy(cfg: TrainConfig, device: torch.device):
-    """The model and its tokenizer. A checkpoint loads straight into --dtype on `device`; a config's random
-    model stays float32 on the CPU for its warm start and is cast afterwards."""
-    if cfg.model:
-        model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
-    else:
-        model = LoopedLM(load_config(cfg.config), seed=cfg.seed)
-    tok = _tokenizer(cfg.model)
-    if not setup_prompts(tok, cfg, model.config, fallback=tok.eos_id):
-        raise ValueError("no stop ids: give --stop-ids, or set eos_token_id in the checkpoint's config.json")
-    return model, tok
+    m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3))
+    return m | {"tokens_per_second": round(int(ro.mask.sum()) * world / dt, 1)}
 
 
 def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str], None]) -> list[dict]:
@@ -2309,12 +2281,9 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
         else arithmetic_problems(cfg.subset or 2000, seed=cfg.seed)
     )
     limit, n = model_cfg.max_position_embeddings, cfg.max_new_tokens
-
-    def fits(problem: dict) -> bool:  # the rollout's prompt + n new tokens, and the warm start's gold sequence
-        prompt, gold = encode_problem(tok, problem)
-        return len(prompt) + max(n, len(gold) - 1) <= limit
-
-    fit = [p for p in problems if fits(p)]
+    # a problem fits when the rollout's prompt + n new tokens does, and so does the warm start's gold sequence
+    lengths = [tuple(map(len, encode_problem(tok, p))) for p in problems]  # (prompt, gold)
+    fit = [p for p, (prompt, gold) in zip(problems, lengths) if prompt + max(n, gold - 1) <= limit]
     if len(fit) < len(problems):  # NOTE: a subset keeps its seeded draw; long GSM8K problems are rare, not an error
         say(
             f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} "
@@ -2334,17 +2303,6 @@ def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) 
     opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
     state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
-
-
-def _load_trainer_state(path: Path, model: LoopedLM) -> dict:
-    """Load weights and the global RNG from a trainer_state.pt; return the state (step, optimizer, ...)."""
-    try:
-        state = torch.load(path, weights_only=True)  # tensors and plain data only: never unpickle code
-        model.load_state_dict(state["model"])
-    except Exception as e:  # a truncated or foreign file: say which
-        raise ValueError(f"{path}: cannot resume from it ({e})") from None
-    torch.set_rng_state(state["torch_rng"])
-    return state
 
 
 def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
@@ -2367,38 +2325,25 @@ def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> li
     return keep
 
 
-def _remove_stale_temp_files(out: Path, say: Callable[[str], None]) -> None:
-    """Remove temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
-    for tmp in sorted(out.glob(".*.tmp*")):
+def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
+    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped. Rank 0 also
+    removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    out.mkdir(parents=True, exist_ok=True)
+    for tmp in sorted(out.glob(".*.tmp*")) if rank == 0 else []:
         pid = tmp.name.rpartition(".tmp")[2]
         if not pid.isdigit() or not tmp.is_file():
             continue
-        try:
+        try:  # alive (another rank or another run may still be writing it), maybe under another user: kept
             os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
-            continue  # alive: another rank or another run may still be writing it
-        except PermissionError:  # alive, under another user
-            continue
         except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
+            tmp.unlink()
+            say(f"removed {tmp} (left by an interrupted write)")
+        except PermissionError:
             pass
-        tmp.unlink()
-        say(f"removed {tmp} (left by an interrupted write)")
-
-
-def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and
-    temp files of interrupted writes are removed."""
-    out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        _remove_stale_temp_files(out, say)
-    metrics_path = out / "metrics.jsonl"
-    for log_file in [metrics_path, out / f"rollouts.rank{rank}.jsonl"]:
-        if log_file.exists() and (rank == 0 or log_file != metrics_path):
+    for log_file in [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]:
+        if log_file.exists():
             keep = _log_lines_upto(log_file, start_step, say)
             _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
-
-
-def _fmt_time(s: float) -> str:
-    return f"{int(s // 60)}m{int(s % 60):02d}s"
 
 
 def _distributed_setup(cfg: TrainConfig) -> dict:
@@ -2408,25 +2353,20 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
     import torch.distributed as tdist
 
-    backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-    tdist.init_process_group(backend)
+    tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
 
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        tdist.all_reduce(t)
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:  # the sum over the processes, in a copy
+        tdist.all_reduce(t := t.clone())
         return t
 
-    return {
-        "rank": tdist.get_rank(),
-        "world": world,
-        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-        "all_reduce": all_reduce,
-    }
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return {"rank": tdist.get_rank(), "world": world, "local_rank": local_rank, "all_reduce": all_reduce}
 
 
 def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
-    """The model, tokenizer and problems; then the resumed state (or the warm start), the optimizer (below
-    float32: `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
+    """The model (a checkpoint loads straight into --dtype on its device; a config's random model stays float32 on
+    the CPU for its warm start), tokenizer and problems; then the resumed state (or the warm start), the optimizer
+    (below float32: `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
             f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
@@ -2434,14 +2374,25 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
     device = torch.device(
         cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
     )
-    out = Path(cfg.out) if cfg.out else None
-    if cfg.resume and not (out / "trainer_state.pt").exists():
-        raise ValueError(f"--resume: no {out / 'trainer_state.pt'} to resume from")
-    model, tok = _load_policy(cfg, device)
-    problems = _load_problems(cfg, tok, model.config, say)
-    state = _load_trainer_state(out / "trainer_state.pt", model) if cfg.resume else None
-    if state:
-        say(f"resumed from {out / 'trainer_state.pt'} at step {state['step']}")
+    saved = Path(cfg.out) / "trainer_state.pt" if cfg.resume else None
+    if saved and not saved.exists():
+        raise ValueError(f"--resume: no {saved} to resume from")
+    if cfg.model:
+        model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
+    else:
+        model = LoopedLM(load_config(cfg.config), seed=cfg.seed)
+    tok = _tokenizer(cfg.model)
+    if not setup_prompts(tok, cfg, model.config, fallback=tok.eos_id):
+        raise ValueError("no stop ids: give --stop-ids, or set eos_token_id in the checkpoint's config.json")
+    problems, state = _load_problems(cfg, tok, model.config, say), None
+    if saved:
+        try:
+            state = torch.load(saved, weights_only=True)  # tensors and plain data only: never unpickle code
+            model.load_state_dict(state["model"])
+        except Exception as e:  # a truncated or foreign file: say which
+            raise ValueError(f"{saved}: cannot resume from it ({e})") from None
+        torch.set_rng_state(state["torch_rng"])
+        say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
     model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
@@ -2459,22 +2410,13 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
     return model, tok, problems, opt, ref, state["step"] if state else 0
 
 
-def _stopped(e: Exception, step: int, out: Path | None, say: Callable[[str], None]) -> None:
-    last = out / "trainer_state.pt" if out and (out / "trainer_state.pt").exists() else None
-    where = f"{last} (step {torch.load(last, weights_only=True)['step']})" if last else "no checkpoint was written yet"
-    say(
-        f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
-        "Try a lower --lr, float32, or a smaller --max-grad-norm."
-    )
-
-
 def _progress_line(cfg: TrainConfig, m: dict, eta: float) -> str:
     return (
         f"step {m['step']}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
         f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
         + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
         + (f"lag {m['export/lag']:.2f} reached {m['export/reached']:.2f}  " if "export/lag" in m else "")
-        + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {_fmt_time(eta)}"
+        + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
     )
 
 
@@ -2490,21 +2432,25 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     say = log if rank == 0 else (lambda *_: None)
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
     out = Path(cfg.out) if cfg.out else None
-    if rank == 0 and model.dtype == torch.bfloat16:
-        slow = bf16_warning(bf16_slowdown(model.config, model.device))
-        if slow:
-            say(slow)
+    slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
+    if slow:
+        say(slow)
     if on_start is not None:
         on_start(model, tok)
     if out:
         _truncate_logs(out, rank, start_step, say)
-    t_run = time.time()
-    history = []
+    t_run, history = time.time(), []
     for step in range(start_step, cfg.steps):
         try:
             m = _train_step(cfg, step, model, tok, opt, ref, problems, dist, out)
         except (NonFiniteError, ReplayMismatchError) as e:
-            _stopped(e, step, out, say)
+            where = "no checkpoint was written yet"
+            if out and (last := out / "trainer_state.pt").exists():
+                where = f"{last} (step {torch.load(last, weights_only=True)['step']})"
+            say(
+                f"stopped at step {step + 1}: {e}. The last good checkpoint is kept: {where}. "
+                "Try a lower --lr, float32, or a smaller --max-grad-norm."
+            )
             raise
         history.append(m)
         if rank != 0:
