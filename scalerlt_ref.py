@@ -2130,10 +2130,9 @@ def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
     for b, (p, c, e) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
-        rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e}
-        rec["logprobs"] = [float(x) for x in logprobs[b, : len(c)]]
+        rec = {"prompt_ids": p, "completion_ids": c, "exit_loops": e, "logprobs": logprobs[b, : len(c)].tolist()}
         if ro.policy.exit_policy == "sampled":
-            rec["exit_logprobs"] = [float(x) for x in ro.exit_logprobs[b, : len(c)]]
+            rec["exit_logprobs"] = ro.exit_logprobs[b, : len(c)].tolist()
         records.append(rec | sampling | {"stop_ids": list(ro.policy.stop_ids)})
     return records
 
@@ -2240,9 +2239,7 @@ class MasterWeights:
         return {"export/lag": (behind2 / moved2) ** 0.5, "export/reached": dot / moved2}
 
 
-def _train_step(
-    cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems: list[dict], dist: dict, out: Path | None
-) -> dict:
+def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems, dist: dict, out) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
     rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
     t0 = time.time()
@@ -2275,11 +2272,10 @@ def _train_step(
 
 def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str], None]) -> list[dict]:
     """The training problems that fit the position limit with --max-new-tokens; the others are skipped, counted."""
-    problems = (
-        gsm8k_load(cfg.data, subset=cfg.subset, seed=cfg.seed)
-        if cfg.data
-        else arithmetic_problems(cfg.subset or 2000, seed=cfg.seed)
-    )
+    if cfg.data:
+        problems = gsm8k_load(cfg.data, subset=cfg.subset, seed=cfg.seed)
+    else:
+        problems = arithmetic_problems(cfg.subset or 2000, seed=cfg.seed)
     limit, n = model_cfg.max_position_embeddings, cfg.max_new_tokens
     # a problem fits when the rollout's prompt + n new tokens does, and so does the warm start's gold sequence
     lengths = [tuple(map(len, encode_problem(tok, p))) for p in problems]  # (prompt, gold)
@@ -2295,39 +2291,19 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
-    """The HF-layout model (for users; below float32 the exported copy) and trainer_state.pt (model,
-    optimizer, RNG, step; below float32 also the masters and the exporter: for --resume), each written
-    atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes can never
-    pair weights of one step with an optimizer of another."""
+    """The HF-layout model (for users; below float32 the exported copy) and trainer_state.pt (for --resume), each
+    written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes never pairs one
+    step's weights with another's optimizer."""
     model.save_pretrained(out)
     opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
     state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
     _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
 
 
-def _log_lines_upto(log_file: Path, step: int, say: Callable[[str], None]) -> list[str]:
-    """The lines of a JSONL log with "step" <= `step`. A torn last line (a run killed mid-write) is
-    dropped and reported; any other bad line is an error naming the file and line."""
-    lines = _read_text(log_file, "log").splitlines()
-    keep = []
-    for lineno, line in enumerate(lines, 1):
-        try:
-            d = _load_json_limited(line, log_file, lineno)
-            if not isinstance(d, dict) or not _is_finite_number(d.get("step")):
-                raise ValueError(f"{log_file}:{lineno}: a log line must be an object with a numeric 'step'")
-        except ValueError:
-            if lineno == len(lines):
-                say(f"{log_file}:{lineno}: dropped a torn last line ({len(line)} characters)")
-                break
-            raise
-        if d["step"] <= step:
-            keep.append(line)
-    return keep
-
-
 def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped. Rank 0 also
-    removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and so is a torn
+    last line (a run killed mid-write), reported; any other bad line is an error naming the file and line. Rank 0
+    also removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
     out.mkdir(parents=True, exist_ok=True)
     for tmp in sorted(out.glob(".*.tmp*")) if rank == 0 else []:
         pid = tmp.name.rpartition(".tmp")[2]
@@ -2341,9 +2317,22 @@ def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], N
         except PermissionError:
             pass
     for log_file in [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]:
-        if log_file.exists():
-            keep = _log_lines_upto(log_file, start_step, say)
-            _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
+        if not log_file.exists():
+            continue
+        lines, keep = _read_text(log_file, "log").splitlines(), []
+        for lineno, line in enumerate(lines, 1):
+            try:
+                d = _load_json_limited(line, log_file, lineno)
+                if not isinstance(d, dict) or not _is_finite_number(d.get("step")):
+                    raise ValueError(f"{log_file}:{lineno}: a log line must be an object with a numeric 'step'")
+            except ValueError:
+                if lineno == len(lines):
+                    say(f"{log_file}:{lineno}: dropped a torn last line ({len(line)} characters)")
+                    break
+                raise
+            if d["step"] <= start_step:
+                keep.append(line)
+        _atomic_write(log_file, lambda p: p.write_text("".join(x + "\n" for x in keep)))
 
 
 def _distributed_setup(cfg: TrainConfig) -> dict:
@@ -2371,9 +2360,8 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         raise ValueError(
             f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
         )
-    device = torch.device(
-        cfg.device if cfg.device != "auto" else (f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu")
-    )
+    auto = f"cuda:{dist['local_rank']}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if cfg.device == "auto" else cfg.device)
     saved = Path(cfg.out) / "trainer_state.pt" if cfg.resume else None
     if saved and not saved.exists():
         raise ValueError(f"--resume: no {saved} to resume from")
