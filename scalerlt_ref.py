@@ -2122,10 +2122,10 @@ class TrainConfig:
 
 
 def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
-    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k,
-    after that position's exit loop exit_loops[k] (1-based). Sampled exits add "exit_logprobs", the log-prob
-    of each exit loop (the step's log-prob is logprobs[k] + exit_logprobs[k]). The log-probs are the
-    distribution sampled ("processed"), or `raw` (B, N) (`raw_logprobs`) in logprob_mode "raw"."""
+    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k, after that
+    position's exit loop exit_loops[k] (1-based); sampled exits add "exit_logprobs" (the step's log-prob is
+    logprobs[k] + exit_logprobs[k]). The log-probs are the distribution sampled ("processed"), or `raw` (B, N)
+    (`raw_logprobs`) in logprob_mode "raw"."""
     sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
@@ -2142,20 +2142,6 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
     the unscaled, unfiltered logits, from a replay of the rollout's own calls (the very logits it sampled from)."""
     plain = dataclasses.replace(ro.policy, temperature=1.0, top_k=0, top_p=1.0)
     return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
-
-
-def rollout_metrics(ro: Rollout, rewards: torch.Tensor, group_size: int) -> dict:
-    """What a GRPO step logs about its rollouts and rewards (TRL/verl names where they exist)."""
-    rw = rewards.float().view(-1, group_size)  # (P, G)
-    return {
-        "reward": float(rw.mean()),
-        "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
-        "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if group_size > 1 else 1.0,
-        "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
-        "exit/logprob_mean": float(ro.exit_logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # both parts
-        "token/logprob_mean": float(ro.logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # of the policy
-        "completions/mean_length": float(ro.mask.sum(1).float().mean()),
-    }
 
 
 def export_rounded(
@@ -2180,11 +2166,10 @@ def export_rounded(
 
 
 class MasterWeights:
-    """The optimizer `train` hands grpo_update below float32: float32 master weights under AdamW, and the
-    model (the copy that rolls out, replays and is teacher-forced) exported from them after every step.
-    The copy's gradient, all-reduced and clipped by grpo_update, is the masters' gradient (the usual
-    mixed-precision step). NOTE: the masters start as the copy's exact float32 value, so step 1 samples
-    what a plain bfloat16 run samples, and the lag metric's start point can be kept in bfloat16."""
+    """The optimizer `train` hands grpo_update below float32: AdamW on float32 master weights, and the model (the
+    copy that rolls out, replays and is teacher-forced) exported from them after every step; the copy's gradient,
+    all-reduced and clipped, is the masters'. NOTE: the masters start as the copy's exact float32 value, so step 1
+    samples what a plain bfloat16 run samples, and the lag metric's start point can be kept in bfloat16."""
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
@@ -2230,9 +2215,8 @@ class MasterWeights:
         sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
         for m, c, s in zip(self.masters, self.copies, self.start):
             moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
-            sums += torch.stack(
-                [(x * y).sum(dtype=torch.float64) for x, y in ((moved, moved), (behind, behind), (moved, made))]
-            )
+            pairs = ((moved, moved), (behind, behind), (moved, made))
+            sums += torch.stack([(x * y).sum(dtype=torch.float64) for x, y in pairs])
         moved2, behind2, dot = sums.tolist()
         if not moved2:  # the masters have not moved: nothing to trail
             return {"export/lag": 0.0, "export/reached": 1.0}
@@ -2260,7 +2244,16 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
     t1 = time.time()
     m = grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
-    m |= rollout_metrics(ro, rewards, G) | (opt.lag() if isinstance(opt, MasterWeights) else {})
+    rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
+    m |= {
+        "reward": float(rw.mean()),
+        "reward_std": float(rw.std()) if rw.numel() > 1 else 0.0,
+        "frac_reward_zero_std": float((rw.std(dim=1) == 0).float().mean()) if G > 1 else 1.0,
+        "exit/mean_loops": float(sum(sum(e) for e in ro.exit_loops) / max(1, int(ro.mask.sum()))),
+        "exit/logprob_mean": float(ro.exit_logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # both parts
+        "token/logprob_mean": float(ro.logprobs[ro.mask].mean()) if ro.mask.any() else 0.0,  # of the policy
+        "completions/mean_length": float(ro.mask.sum(1).float().mean()),
+    } | (opt.lag() if isinstance(opt, MasterWeights) else {})
     dt = time.time() - t0
     m |= {"accuracy": accuracy, "task_reward": sum(task) / len(task)}
     if dist["all_reduce"] is not None:  # report global figures
@@ -2316,9 +2309,8 @@ def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], N
             say(f"removed {tmp} (left by an interrupted write)")
         except PermissionError:
             pass
-    for log_file in [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]:
-        if not log_file.exists():
-            continue
+    logs = [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]
+    for log_file in filter(Path.exists, logs):
         lines, keep = _read_text(log_file, "log").splitlines(), []
         for lineno, line in enumerate(lines, 1):
             try:
@@ -2340,8 +2332,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
-    import torch.distributed as tdist
-
+    tdist = torch.distributed
     tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:  # the sum over the processes, in a copy
@@ -2409,11 +2400,9 @@ def _progress_line(cfg: TrainConfig, m: dict, eta: float) -> str:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task.
-
-    `on_start(model, tok)` runs after the warm start, before the first GRPO step (the demo measures its
-    "before" accuracy there). Returns {"model", "tokenizer", "history": a metrics dict per step}.
-    """
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task. `on_start(model,
+    tok)` runs after the warm start, before the first GRPO step (the demo measures its "before" accuracy there).
+    Returns {"model", "tokenizer", "history": a metrics dict per step}."""
     check_flags(cfg)
     dist = _distributed_setup(cfg)
     rank = dist["rank"]
