@@ -2096,8 +2096,7 @@ class TrainConfig:
     seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
     lr: float = _flag(1e-3, "AdamW learning rate", within=(0.0, 1.0, "(]"))
     max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)", within=(0.0, math.inf, "()"))
-    # the ratio's lower clip 1 - epsilon_low must stay > 0
-    epsilon_low: float = _flag(0.2, "lower clip range", within=(0.0, 1.0, "[)"))
+    epsilon_low: float = _flag(0.2, "lower clip range", within=(0.0, 1.0, "[)"))  # < 1: the ratio's clip 1 - it is > 0
     epsilon_high: float = _flag(0.2, "upper clip range", within=(0.0, 1000.0))
     beta: float = _flag(0.0, "k3 KL coefficient to the starting model (0: off)", within=(0.0, 1000.0))
     scale_rewards: str = _flag("group", "advantage scaling", choices=SCALE_REWARDS)
@@ -2235,9 +2234,9 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
     ro = rollout(model, prompts, policy, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, sequence_ids=gids)
     texts = [tok.decode(c) for c in ro.completions]
+    accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
     task = [reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)]
     rewards = torch.tensor([loop_cost_reward(x, e, cfg.loop_cost) for x, e in zip(task, ro.exit_loops)])
-    accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
     if cfg.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
@@ -2270,9 +2269,8 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
     else:
         problems = arithmetic_problems(cfg.subset or 2000, seed=cfg.seed)
     limit, n = model_cfg.max_position_embeddings, cfg.max_new_tokens
-    # a problem fits when the rollout's prompt + n new tokens does, and so does the warm start's gold sequence
-    lengths = [tuple(map(len, encode_problem(tok, p))) for p in problems]  # (prompt, gold)
-    fit = [p for p, (prompt, gold) in zip(problems, lengths) if prompt + max(n, gold - 1) <= limit]
+    pairs = (encode_problem(tok, p) for p in problems)  # the rollout's prompt, the warm start's gold sequence
+    fit = [p for p, (prompt, gold) in zip(problems, pairs) if len(prompt) + max(n, len(gold) - 1) <= limit]
     if len(fit) < len(problems):  # NOTE: a subset keeps its seeded draw; long GSM8K problems are rare, not an error
         say(
             f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} "
@@ -2298,12 +2296,10 @@ def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], N
     last line (a run killed mid-write), reported; any other bad line is an error naming the file and line. Rank 0
     also removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
     out.mkdir(parents=True, exist_ok=True)
-    for tmp in sorted(out.glob(".*.tmp*")) if rank == 0 else []:
-        pid = tmp.name.rpartition(".tmp")[2]
-        if not pid.isdigit() or not tmp.is_file():
-            continue
+    temps = [t for t in sorted(out.glob(".*.tmp*")) if t.name.rpartition(".tmp")[2].isdigit() and t.is_file()]
+    for tmp in temps if rank == 0 else []:
         try:  # alive (another rank or another run may still be writing it), maybe under another user: kept
-            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+            os.kill(int(tmp.name.rpartition(".tmp")[2]), 0)  # signal 0: only asks whether the process exists
         except (ProcessLookupError, OverflowError):  # gone, or a pid no process can have
             tmp.unlink()
             say(f"removed {tmp} (left by an interrupted write)")
@@ -2332,21 +2328,19 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
-    tdist = torch.distributed
-    tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
 
     def all_reduce(t: torch.Tensor) -> torch.Tensor:  # the sum over the processes, in a copy
-        tdist.all_reduce(t := t.clone())
+        torch.distributed.all_reduce(t := t.clone())
         return t
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    return {"rank": tdist.get_rank(), "world": world, "local_rank": local_rank, "all_reduce": all_reduce}
+    return {"rank": torch.distributed.get_rank(), "world": world, "local_rank": local_rank, "all_reduce": all_reduce}
 
 
 def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
-    """The model (a checkpoint loads straight into --dtype on its device; a config's random model stays float32 on
-    the CPU for its warm start), tokenizer and problems; then the resumed state (or the warm start), the optimizer
-    (below float32: `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
+    """The model, tokenizer and problems; then the resumed state (or the warm start), the optimizer (below float32:
+    `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
             f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
@@ -2356,9 +2350,9 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
     saved = Path(cfg.out) / "trainer_state.pt" if cfg.resume else None
     if saved and not saved.exists():
         raise ValueError(f"--resume: no {saved} to resume from")
-    if cfg.model:
+    if cfg.model:  # straight into --dtype on `device`
         model = LoopedLM.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
-    else:
+    else:  # stays float32 on the CPU for its warm start, cast below
         model = LoopedLM(load_config(cfg.config), seed=cfg.seed)
     tok = _tokenizer(cfg.model)
     if not setup_prompts(tok, cfg, model.config, fallback=tok.eos_id):
@@ -2387,16 +2381,6 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         ref = empty_model(model.config, model.dtype, device)
         ref.load_state_dict((state and state["extra"].get("reference")) or model.state_dict())
     return model, tok, problems, opt, ref, state["step"] if state else 0
-
-
-def _progress_line(cfg: TrainConfig, m: dict, eta: float) -> str:
-    return (
-        f"step {m['step']}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
-        f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
-        + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
-        + (f"lag {m['export/lag']:.2f} reached {m['export/reached']:.2f}  " if "export/lag" in m else "")
-        + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
-    )
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
@@ -2432,7 +2416,14 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
         history.append(m)
         if rank != 0:
             continue
-        say(_progress_line(cfg, m, (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)))
+        eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
+        say(
+            f"step {m['step']}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
+            f"loops {m['exit/mean_loops']:.2f}  mismatched {m.get('exact/mismatched_tokens', 0)}  "
+            + (f"accuracy {m['accuracy']:.3f}  " if cfg.loop_cost or cfg.reward != "strict" else "")
+            + (f"lag {m['export/lag']:.2f} reached {m['export/reached']:.2f}  " if "export/lag" in m else "")
+            + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
+        )
         if out:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(m) + "\n")
