@@ -3586,7 +3586,8 @@ def test_readme_runs_as_written(tmp_path):
     for name in ("README.md", "scalerlt_ref.py", "test_ref.py", "requirements.txt", "tiny_configs"):
         (shutil.copytree if (HERE / name).is_dir() else shutil.copy)(HERE / name, tmp_path / name)
     gsm8k = tmp_path / "gsm8k.jsonl"  # GSM8K's format; real GSM8K's long prompts would take minutes here
-    S.write_jsonl(gsm8k, [{"question": p["question"], "answer": p["answer"]} for p in S.arithmetic_problems(80, 0)])
+    problems = S.arithmetic_problems(80, 0)
+    gsm8k.write_text("".join(json.dumps({"question": p["question"], "answer": p["answer"]}) + "\n" for p in problems))
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     blocks = readme_blocks((HERE / "README.md").read_text())
     assert len(blocks) >= 10 and sum(run for *_, run in blocks) >= 8, blocks
