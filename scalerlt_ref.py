@@ -3744,6 +3744,10 @@ class BenchFlags:
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
 
 
+def _mismatched(history: list[dict]) -> int:
+    return sum(m.get("exact/mismatched_tokens", 0) for m in history)
+
+
 def cmd_train(cfg: TrainConfig) -> int:
     try:
         result = train(cfg)
@@ -3751,16 +3755,8 @@ def cmd_train(cfg: TrainConfig) -> int:
         return 1  # train() has printed the diagnosis
     h = result["history"]
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one JSON line: rank 0's
-        print(
-            json.dumps(
-                {
-                    "steps": len(h),
-                    "reward_last": h[-1]["reward"] if h else None,
-                    "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
-                    "out": cfg.out,
-                }
-            )
-        )
+        reward = h[-1]["reward"] if h else None
+        print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": _mismatched(h), "out": cfg.out}))
     return 0
 
 
@@ -3851,31 +3847,20 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
 
 
 def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags) -> dict:
-    gain, gain_se = gain
-    return {
-        "accuracy_before": before["accuracy"],
-        "accuracy_after": after["accuracy"],
-        "gain": round(gain, 4),
-        "accuracy_before_se": round(before["stderr"], 4),
-        "accuracy_after_se": round(after["stderr"], 4),
-        "gain_se": round(gain_se, 4),
-        "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
-        "max_sampling_logp_difference": max(
-            (m.get("sampling/sampling_logp_difference/max", 0.0) for m in history), default=0.0
-        ),
-        "max_naive_logp_difference": max(
-            (m.get("sampling/naive_logp_difference/max", 0.0) for m in history), default=0.0
-        ),
-        "exit_histogram": after["exit_histogram"],
-        "exit_policy": flags.exit_policy,
-        "loop_cost": flags.loop_cost,
-        "scale_rewards": flags.scale_rewards,
-        "mean_exit_loop_before": round(before["mean_exit_loop"], 4),
-        "mean_exit_loop_after": round(after["mean_exit_loop"], 4),
-        "tokens_per_second_before": round(before["tokens_per_second"], 1),
-        "tokens_per_second_after": round(after["tokens_per_second"], 1),
-        "grpo_steps": len(history),
-    }
+    both = {"before": before, "after": after}
+    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
+    return (
+        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
+        | {"gain": round(gain[0], 4)}
+        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
+        | {"gain_se": round(gain[1], 4), "mismatched_tokens": _mismatched(history)}
+        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
+        | {"exit_histogram": after["exit_histogram"]}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
+        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
+        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
+        | {"grpo_steps": len(history)}
+    )
 
 
 def cmd_demo(flags) -> int:
@@ -3984,10 +3969,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = flags_from_args(args)
         check_flags(flags)  # every flag, before any work
         return COMMANDS[args.command][1](flags)
-    except ValueError as e:  # bad input: a clear message, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a read-only or full disk, a file vanished mid-run: one line naming the file
+    # bad input, a read-only or full disk, a file vanished mid-run: one line naming the flag or file, no traceback
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
