@@ -3797,17 +3797,12 @@ DEMO_FIXED = {"mode": "deferred", "device": "cpu", "save_every": 10**9}  # one c
 def _preset_flags(name: str, base, preset: dict) -> type:
     """A flags dataclass of `preset`'s fields: a base field with a new default and help (and metadata), or
     a field of its own."""
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    spec = []
+    fields, spec = {f.name: f for f in dataclasses.fields(base)}, []
     for key, v in preset.items():
-        if isinstance(v, dataclasses.Field):
-            spec.append((key, type(v.default).__name__, v))
-        else:
-            default, help, *meta = v
-            f = fields[key]
-            spec.append(
-                (key, f.type, field(default=default, metadata={**f.metadata, "help": help, **(meta or [{}])[0]}))
-            )
+        if isinstance(v, tuple):  # (default, help[, metadata]): the base's field, changed
+            default, help, meta = (*v, {})[:3]
+            v = field(default=default, metadata={**fields[key].metadata, "help": help, **meta})
+        spec.append((key, fields[key].type if key in fields else type(v.default).__name__, v))
     return dataclasses.make_dataclass(name, spec)
 
 
@@ -3831,15 +3826,12 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
     ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
     ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("accuracy")
+    ax.set(xlabel="GRPO step", ylabel="accuracy")
     loops = ax.twinx()  # depth on its own axis, in loops
     loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
-    loops.set_ylim(1, R)
-    loops.set_ylabel("mean exit loop")
-    handles = ax.get_legend_handles_labels()
-    more = loops.get_legend_handles_labels()
-    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
+    loops.set(ylim=(1, R), ylabel="mean exit loop")
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), loops.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
