@@ -1907,8 +1907,7 @@ def _flag(default, help: str, **meta):
 
 
 def flag_fields(cls, flags) -> dict:
-    """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
-    that build a `Policy` or `VerifyOptions`."""
+    """The fields of dataclass `cls` (a `Policy`, `VerifyOptions`) that `flags` has, by name."""
     return {f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)}
 
 
@@ -3642,8 +3641,6 @@ class ModelFlags:
 
 @dataclass
 class RolloutFlags(ModelFlags):
-    """`rollout`'s flags."""
-
     prompts: str | None = _flag(
         None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line', required=True, path="file"
     )
@@ -3673,8 +3670,6 @@ class RolloutFlags(ModelFlags):
 
 @dataclass
 class VerifyFlags(ModelFlags):
-    """`verify`'s flags (a float64 reference by default)."""
-
     dtype: str = _flag("float64", "model dtype", choices=tuple(DTYPES))
     rollouts: str | None = _flag(None, "records JSONL (see README: Checking your engine)", required=True, path="file")
     engine_dtype: str = _flag(
@@ -3707,8 +3702,6 @@ class VerifyFlags(ModelFlags):
 
 @dataclass
 class BenchFlags:
-    """`bench`'s flags."""
-
     config: str = _flag(str(CONFIGS / "bench.json"), "model config (a random model)", path="file", exclusive="optional")
     model: str | None = _flag(
         None,
@@ -3795,8 +3788,7 @@ DEMO_FIXED = {"mode": "deferred", "device": "cpu", "save_every": 10**9}  # one c
 
 
 def _preset_flags(name: str, base, preset: dict) -> type:
-    """A flags dataclass of `preset`'s fields: a base field with a new default and help (and metadata), or
-    a field of its own."""
+    """A flags dataclass of `preset`'s fields: `base`'s with a new default and help (and metadata), or its own."""
     fields, spec = {f.name: f for f in dataclasses.fields(base)}, []
     for key, v in preset.items():
         if isinstance(v, tuple):  # (default, help[, metadata]): the base's field, changed
@@ -3925,9 +3917,8 @@ COMMANDS = {  # name: (its flags, its function, --help line, description)
         VerifyFlags,
         cmd_verify,
         "check another implementation's rollout records against this reference",
-        "Recompute every recorded token's log-prob at its recorded exit loop "
-        "(teacher-forced) and check every exit loop against the exit rule. Exit "
-        "status 0: all within tolerance; 1: mismatches; 2: bad input.",
+        "Recompute every recorded token's log-prob at its recorded exit loop (teacher-forced) and check every exit "
+        "loop against the exit rule. Exit status 0: all within tolerance; 1: mismatches; 2: bad input.",
     ),
     "bench": (
         BenchFlags,
