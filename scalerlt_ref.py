@@ -3801,7 +3801,7 @@ def _preset_flags(name: str, base, preset: dict) -> type:
 DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 
 
-def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
+def _plot_history(history: list[dict], path: Path, R: int, before: dict, after: dict) -> None:
     try:
         import matplotlib
 
@@ -3816,8 +3816,8 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
     ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
     ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
-    ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
-    ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
+    for r, ls, c, when in ((before, "--", "gray", "before"), (after, ":", "k", "after")):
+        ax.axhline(r["accuracy"], ls=ls, c=c, label=f"held-out greedy accuracy {when}: {r['accuracy']:.2f}")
     ax.set(xlabel="GRPO step", ylabel="accuracy")
     loops = ax.twinx()  # depth on its own axis, in loops
     loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
@@ -3830,7 +3830,7 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     print(f"wrote {path}")
 
 
-def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags) -> dict:
+def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags, t0: float) -> dict:
     both = {"before": before, "after": after}
     diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
     return (
@@ -3843,29 +3843,28 @@ def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history:
         | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
         | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
         | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
-        | {"grpo_steps": len(history)}
+        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
     )
 
 
 def cmd_demo(flags) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
-    cfg = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems)
-    t0 = time.time()
+    cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
-    held_out = [
-        p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen
-    ][: flags.eval_problems]
-    before: dict = {}
+    fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
+    held_out, before = fresh[: flags.eval_problems], {}
     policy = cfg.policy(())  # evaluate() makes it greedy, with the tokenizer's EOS
+
+    def report(when: str, r: dict, note: str) -> None:
+        print(
+            f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note}); mean exit loop "
+            f"{r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s"
+        )
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))
-        print(
-            f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
-            f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
-            f"{before['tokens_per_second']:.0f} tok/s"
-        )
+        report("the warm start:", before, f"{len(held_out)} problems")
 
     try:
         result = train(cfg, on_start=on_start)
@@ -3874,20 +3873,13 @@ def cmd_demo(flags) -> int:
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens)
     gain, gain_se = paired_gain(before["correct"], after["correct"])
-    print(
-        f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
-        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired); mean exit loop {after['mean_exit_loop']:.2f}, deferred "
-        f"{after['tokens_per_second']:.0f} tok/s"
-    )
-    total = sum(after["exit_histogram"])
+    report("GRPO:      ", after, f"gain {gain:+.3f} ± {gain_se:.3f}, paired")
     print("exit loops of generated tokens (held-out, after GRPO):")
-    for r, c in enumerate(after["exit_histogram"], 1):
-        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
+    for r, c in enumerate(hist := after["exit_histogram"], 1):
+        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, sum(hist)))}")
     if flags.out:
-        R = model.config.total_ut_steps
-        _plot_history(history, Path(flags.out) / "demo.png", R, before["accuracy"], after["accuracy"])
-    summary = _demo_summary(before, after, (gain, gain_se), history, flags)
-    print(json.dumps(summary | {"seconds": round(time.time() - t0, 1)}))
+        _plot_history(history, Path(flags.out) / "demo.png", model.config.total_ut_steps, before, after)
+    print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
     return 0
 
 
