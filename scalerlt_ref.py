@@ -3737,19 +3737,15 @@ class BenchFlags:
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
 
 
-def _mismatched(history: list[dict]) -> int:
-    return sum(m.get("exact/mismatched_tokens", 0) for m in history)
-
-
 def cmd_train(cfg: TrainConfig) -> int:
     try:
-        result = train(cfg)
+        h = train(cfg)["history"]
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
-    h = result["history"]
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one JSON line: rank 0's
+        mismatched = sum(m.get("exact/mismatched_tokens", 0) for m in h)
         reward = h[-1]["reward"] if h else None
-        print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": _mismatched(h), "out": cfg.out}))
+        print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": mismatched, "out": cfg.out}))
     return 0
 
 
@@ -3837,7 +3833,7 @@ def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history:
         {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
         | {"gain": round(gain[0], 4)}
         | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
-        | {"gain_se": round(gain[1], 4), "mismatched_tokens": _mismatched(history)}
+        | {"gain_se": round(gain[1], 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
         | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
         | {"exit_histogram": after["exit_histogram"]}
         | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
