@@ -1907,8 +1907,7 @@ def _flag(default, help: str, **meta):
 
 
 def flag_fields(cls, flags) -> dict:
-    """The fields of dataclass `cls` that `flags` (a command's parsed flags or config) has, by name: the flags
-    that build a `Policy` or `VerifyOptions`."""
+    """The fields of dataclass `cls` (a `Policy`, `VerifyOptions`) that `flags` has, by name."""
     return {f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)}
 
 
@@ -3556,8 +3555,6 @@ class ModelFlags:
 
 @dataclass
 class RolloutFlags(ModelFlags):
-    """`rollout`'s flags."""
-
     prompts: str | None = _flag(
         None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line', required=True, path="file"
     )
@@ -3587,8 +3584,6 @@ class RolloutFlags(ModelFlags):
 
 @dataclass
 class VerifyFlags(ModelFlags):
-    """`verify`'s flags (a float64 reference by default)."""
-
     dtype: str = _flag("float64", "model dtype", choices=tuple(DTYPES))
     rollouts: str | None = _flag(None, "records JSONL (see README: Checking your engine)", required=True, path="file")
     engine_dtype: str = _flag(
@@ -3621,8 +3616,6 @@ class VerifyFlags(ModelFlags):
 
 @dataclass
 class BenchFlags:
-    """`bench`'s flags."""
-
     config: str = _flag(str(CONFIGS / "bench.json"), "model config (a random model)", path="file", exclusive="optional")
     model: str | None = _flag(
         None,
@@ -3660,21 +3653,13 @@ class BenchFlags:
 
 def cmd_train(cfg: TrainConfig) -> int:
     try:
-        result = train(cfg)
+        h = train(cfg)["history"]
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
-    h = result["history"]
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one JSON line: rank 0's
-        print(
-            json.dumps(
-                {
-                    "steps": len(h),
-                    "reward_last": h[-1]["reward"] if h else None,
-                    "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in h),
-                    "out": cfg.out,
-                }
-            )
-        )
+        mismatched = sum(m.get("exact/mismatched_tokens", 0) for m in h)
+        reward = h[-1]["reward"] if h else None
+        print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": mismatched, "out": cfg.out}))
     return 0
 
 
@@ -3713,26 +3698,20 @@ DEMO_FIXED = {"mode": "deferred", "device": "cpu", "save_every": 10**9}  # one c
 
 
 def _preset_flags(name: str, base, preset: dict) -> type:
-    """A flags dataclass of `preset`'s fields: a base field with a new default and help (and metadata), or
-    a field of its own."""
-    fields = {f.name: f for f in dataclasses.fields(base)}
-    spec = []
+    """A flags dataclass of `preset`'s fields: `base`'s with a new default and help (and metadata), or its own."""
+    fields, spec = {f.name: f for f in dataclasses.fields(base)}, []
     for key, v in preset.items():
-        if isinstance(v, dataclasses.Field):
-            spec.append((key, type(v.default).__name__, v))
-        else:
-            default, help, *meta = v
-            f = fields[key]
-            spec.append(
-                (key, f.type, field(default=default, metadata={**f.metadata, "help": help, **(meta or [{}])[0]}))
-            )
+        if isinstance(v, tuple):  # (default, help[, metadata]): the base's field, changed
+            default, help, meta = (*v, {})[:3]
+            v = field(default=default, metadata={**fields[key].metadata, "help": help, **meta})
+        spec.append((key, fields[key].type if key in fields else type(v.default).__name__, v))
     return dataclasses.make_dataclass(name, spec)
 
 
 DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 
 
-def _plot_history(history: list[dict], path: Path, R: int, before: float, after: float) -> None:
+def _plot_history(history: list[dict], path: Path, R: int, before: dict, after: dict) -> None:
     try:
         import matplotlib
 
@@ -3747,70 +3726,55 @@ def _plot_history(history: list[dict], path: Path, R: int, before: float, after:
     smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
     ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
     ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
-    ax.axhline(before, ls="--", c="gray", label=f"held-out greedy accuracy before: {before:.2f}")
-    ax.axhline(after, ls=":", c="k", label=f"held-out greedy accuracy after: {after:.2f}")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("accuracy")
+    for r, ls, c, when in ((before, "--", "gray", "before"), (after, ":", "k", "after")):
+        ax.axhline(r["accuracy"], ls=ls, c=c, label=f"held-out greedy accuracy {when}: {r['accuracy']:.2f}")
+    ax.set(xlabel="GRPO step", ylabel="accuracy")
     loops = ax.twinx()  # depth on its own axis, in loops
     loops.plot(steps, [m["exit/mean_loops"] for m in history], c="tab:red", alpha=0.6, label="mean exit loop")
-    loops.set_ylim(1, R)
-    loops.set_ylabel("mean exit loop")
-    handles = ax.get_legend_handles_labels()
-    more = loops.get_legend_handles_labels()
-    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7)
+    loops.set(ylim=(1, R), ylabel="mean exit loop")
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), loops.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
     print(f"wrote {path}")
 
 
-def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags) -> dict:
-    gain, gain_se = gain
-    return {
-        "accuracy_before": before["accuracy"],
-        "accuracy_after": after["accuracy"],
-        "gain": round(gain, 4),
-        "accuracy_before_se": round(before["stderr"], 4),
-        "accuracy_after_se": round(after["stderr"], 4),
-        "gain_se": round(gain_se, 4),
-        "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history),
-        "max_sampling_logp_difference": max(
-            (m.get("sampling/sampling_logp_difference/max", 0.0) for m in history), default=0.0
-        ),
-        "max_naive_logp_difference": max(
-            (m.get("sampling/naive_logp_difference/max", 0.0) for m in history), default=0.0
-        ),
-        "exit_histogram": after["exit_histogram"],
-        "exit_policy": flags.exit_policy,
-        "loop_cost": flags.loop_cost,
-        "scale_rewards": flags.scale_rewards,
-        "mean_exit_loop_before": round(before["mean_exit_loop"], 4),
-        "mean_exit_loop_after": round(after["mean_exit_loop"], 4),
-        "tokens_per_second_before": round(before["tokens_per_second"], 1),
-        "tokens_per_second_after": round(after["tokens_per_second"], 1),
-        "grpo_steps": len(history),
-    }
+def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags, t0: float) -> dict:
+    both = {"before": before, "after": after}
+    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
+    return (
+        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
+        | {"gain": round(gain[0], 4)}
+        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
+        | {"gain_se": round(gain[1], 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
+        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
+        | {"exit_histogram": after["exit_histogram"]}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
+        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
+        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
+        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
+    )
 
 
 def cmd_demo(flags) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
-    cfg = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems)
-    t0 = time.time()
+    cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
-    held_out = [
-        p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen
-    ][: flags.eval_problems]
-    before: dict = {}
+    fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
+    held_out, before = fresh[: flags.eval_problems], {}
     policy = cfg.policy(())  # evaluate() makes it greedy, with the tokenizer's EOS
+
+    def report(when: str, r: dict, note: str) -> None:
+        print(
+            f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note}); mean exit loop "
+            f"{r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s"
+        )
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))
-        print(
-            f"held-out greedy accuracy after the warm start: {before['accuracy']:.3f} ± {before['stderr']:.3f} "
-            f"({len(held_out)} problems); mean exit loop {before['mean_exit_loop']:.2f}, deferred "
-            f"{before['tokens_per_second']:.0f} tok/s"
-        )
+        report("the warm start:", before, f"{len(held_out)} problems")
 
     try:
         result = train(cfg, on_start=on_start)
@@ -3819,20 +3783,13 @@ def cmd_demo(flags) -> int:
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens)
     gain, gain_se = paired_gain(before["correct"], after["correct"])
-    print(
-        f"held-out greedy accuracy after GRPO:       {after['accuracy']:.3f} ± {after['stderr']:.3f} "
-        f"(gain {gain:+.3f} ± {gain_se:.3f}, paired); mean exit loop {after['mean_exit_loop']:.2f}, deferred "
-        f"{after['tokens_per_second']:.0f} tok/s"
-    )
-    total = sum(after["exit_histogram"])
+    report("GRPO:      ", after, f"gain {gain:+.3f} ± {gain_se:.3f}, paired")
     print("exit loops of generated tokens (held-out, after GRPO):")
-    for r, c in enumerate(after["exit_histogram"], 1):
-        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, total))}")
+    for r, c in enumerate(hist := after["exit_histogram"], 1):
+        print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, sum(hist)))}")
     if flags.out:
-        R = model.config.total_ut_steps
-        _plot_history(history, Path(flags.out) / "demo.png", R, before["accuracy"], after["accuracy"])
-    summary = _demo_summary(before, after, (gain, gain_se), history, flags)
-    print(json.dumps(summary | {"seconds": round(time.time() - t0, 1)}))
+        _plot_history(history, Path(flags.out) / "demo.png", model.config.total_ut_steps, before, after)
+    print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
     return 0
 
 
@@ -3862,9 +3819,8 @@ COMMANDS = {  # name: (its flags, its function, --help line, description)
         VerifyFlags,
         cmd_verify,
         "check another implementation's rollout records against this reference",
-        "Recompute every recorded token's log-prob at its recorded exit loop "
-        "(teacher-forced) and check every exit loop against the exit rule. Exit "
-        "status 0: all within tolerance; 1: mismatches; 2: bad input.",
+        "Recompute every recorded token's log-prob at its recorded exit loop (teacher-forced) and check every exit "
+        "loop against the exit rule. Exit status 0: all within tolerance; 1: mismatches; 2: bad input.",
     ),
     "bench": (
         BenchFlags,
@@ -3898,10 +3854,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = flags_from_args(args)
         check_flags(flags)  # every flag, before any work
         return COMMANDS[args.command][1](flags)
-    except ValueError as e:  # bad input: a clear message, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a read-only or full disk, a file vanished mid-run: one line naming the file
+    # bad input, a read-only or full disk, a file vanished mid-run: one line naming the flag or file, no traceback
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
