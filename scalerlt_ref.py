@@ -63,8 +63,8 @@ import torch.nn.functional as F
 
 @dataclass
 class Config:
-    """One looped model's shape. Field names follow HF Ouro's config.json (one naming family from checkpoint
-    to code). Trusted here: configs are checked where they are read (`load_config`, below the banner)."""
+    """One looped model's shape, in HF Ouro's config.json names. Trusted here: configs are checked where they
+    are read (`Config.from_json(path)`, `Config.from_dict(d)`: the loader's functions, attached below the banner)."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
@@ -1486,12 +1486,9 @@ def load_checkpoint(
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = _index_shards(index)
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    if not index.exists() and not (path / "model.safetensors").exists():
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    files = _index_shards(index) if index.exists() else ["model.safetensors"]
     # a name in two shards: the later file's tensor, as ever
     stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}
     not_float = sorted(
@@ -1505,11 +1502,8 @@ def load_checkpoint(
         source["lm_head.weight"] = "model.embed_tokens.weight"
     missing = sorted(set(expected) - set(source))
     unexpected = sorted(set(stored) - set(expected) - {"model.rotary_emb.inv_freq"})  # RoPE's buffer: recomputed
-    misshapen = sorted(
-        f"{k}: {stored[s].shape} in the file, {expected[k]} expected"
-        for k, s in source.items()
-        if stored[s].shape != expected[k]
-    )
+    shapes = [(k, stored[s].shape) for k, s in source.items() if stored[s].shape != expected[k]]
+    misshapen = sorted(f"{k}: {shape} in the file, {expected[k]} expected" for k, shape in shapes)
     bad_names = missing or unexpected or misshapen
     model = None if bad_names else empty_model(cfg, dtype, device)
     params = model.state_dict() if model else {}  # these share memory with the parameters
@@ -2647,11 +2641,8 @@ def _check_reference_finite(
     run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
     bad_gate = (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist()
     if bad_gate:
-        k = bad_gate[0]
-        raise NonFiniteError(
-            f"token {k}: the reference exit gate is {gates[k, : ran[k]].tolist()}: the model's gate logits "
-            "are not finite"
-        )
+        k, gates_k = bad_gate[0], gates[bad_gate[0], : ran[bad_gate[0]]].tolist()
+        raise NonFiniteError(f"token {k}: the reference exit gate is {gates_k}: the model's gate logits are not finite")
     _, top_k, top_p, _ = _sampling(rec)
     dropped = (lp == -math.inf) & (top_k > 0 or top_p < 1)  # a token top-k/top-p drops: a failure, not an error
     bad = (~torch.isfinite(lp) & ~dropped).nonzero()[:, 0].tolist()
@@ -3459,12 +3450,8 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
         f"(x{load['peak'] / weights:.2f} the weights; interpreter and torch included); run: peak resident "
         f"{_fmt_bytes(peak_run)}{on_device}"
     )
-    figures = {
-        "kv_bytes_per_token": kv["kv"],
-        "load_seconds": round(load["seconds"], 2),
-        "peak_load_mb": round(load["peak"] / 2**20, 1),
-        "peak_run_mb": round(peak_run / 2**20, 1),
-    }
+    figures = {"kv_bytes_per_token": kv["kv"], "load_seconds": round(load["seconds"], 2)}
+    figures |= {"peak_load_mb": round(load["peak"] / 2**20, 1), "peak_run_mb": round(peak_run / 2**20, 1)}
     return [("KV cache memory", cache), ("memory", peaks)], figures
 
 
