@@ -52,7 +52,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -1293,14 +1293,9 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     defaults, and settings that would change the math this module implements are refused."""
     _check_hf_semantics(d, source)
     known = {f.name for f in dataclasses.fields(Config)}
-    kw = {}
-    for key, value in d.items():
-        if key in known:
-            kw[key] = value
-        elif key not in _HF_IGNORED_KEYS:
-            warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
-    for key, value in _HF_DEFAULTS.items():  # a key missing from an HF config means HF's default
-        kw.setdefault(key, value)
+    for key in [k for k in d if k not in known and k not in _HF_IGNORED_KEYS]:
+        warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
+    kw = _HF_DEFAULTS | {k: v for k, v in d.items() if k in known}  # a key an HF config leaves out: HF's default
     if kw.get("num_key_value_heads") is None:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if kw.get("head_dim") is None:
@@ -1338,14 +1333,13 @@ def load_config(path: str | os.PathLike) -> Config:
     return config_from_dict(_load_json_limited(_read_text(path, "config"), path), str(path))
 
 
-def _safetensors():
+def _optional(module: str, needs: str):
+    """An optional package's module (requirements.txt lists them), or an ImportError saying what needs it."""
     try:
-        import safetensors.torch as st
+        return __import__(module, fromlist=["_"])
     except ImportError:
-        raise ImportError(
-            "reading or writing checkpoints needs the optional package safetensors: pip install safetensors"
-        ) from None
-    return st
+        package = module.split(".")[0]
+        raise ImportError(f"{needs} needs the optional package {package}: pip install {package}") from None
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]):
@@ -1359,9 +1353,27 @@ def _atomic_write(path: Path, write: Callable[[Path], None]):
             tmp.unlink()
 
 
+def save_plot(path: Path, draw: Callable) -> None:
+    """`draw(pyplot)`'s figure as a PNG, written atomically; matplotlib is optional: without it, no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot)")
+        return
+    fig = draw(plt)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors in the HF Ouro layout, each atomically."""
-    st = _safetensors()
+    st = _optional("safetensors.torch", "reading or writing checkpoints")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -1394,8 +1406,7 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-@dataclass
-class _StoredTensor:  # where one tensor lies in a safetensors file, as its header says (nothing read yet)
+class _StoredTensor(NamedTuple):  # where one tensor lies in a safetensors file, as its header says
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -1407,7 +1418,7 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
     """The tensors of one safetensors file, from its header alone. safetensors validates the file first
     (without reading its data), so a corrupt file gets safetensors' message; then the header is read again
     here for the byte offsets, which safetensors does not expose."""
-    st = _safetensors()
+    st = _optional("safetensors.torch", "reading or writing checkpoints")
     try:
         with st.safe_open(str(file), framework="pt"):
             pass
@@ -1427,11 +1438,9 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) for every stored tensor, one at a time, each file read once in order: straight
-    into `into[name]` when given (a contiguous CPU tensor of the stored dtype and shape: no copy at all),
-    else into a new CPU tensor that the caller drops before the next.
-    NOTE: plain reads, not safetensors' memory map: pages of a mapped file count as resident memory until
-    it is closed, which would add a whole shard to the peak."""
+    """Yield (name, tensor) for every stored tensor, each file read once in order: straight into `into[name]`
+    when given (no copy at all), else into a new CPU tensor. NOTE: plain reads, not safetensors' memory map: a
+    mapped file's pages count as resident memory until it is closed, which would add a whole shard to the peak."""
     for file in dict.fromkeys(t.file for t in stored.values()):
         with open(file, "rb") as fh:
             for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
@@ -1449,17 +1458,15 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is, and ~100x faster on
-    CPU (bf16, 50 M elements: 0.01 s against 2 s). Only a sum that is not finite (finite values can overflow
-    too) is checked element by element, in slices (a whole mask would cost a byte per element)."""
+    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is (~100x faster on a CPU); only
+    a sum that is not finite (finite values can overflow too) is checked element by element, in slices."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), and left
-    uninitialised (fill it before use): built on the meta device, where LoopedLM skips its init, then given
-    memory. NOTE: nn.Embedding still draws its own init, which torch runs on the meta device through Python
-    reference kernels that import its compiler (measured: 3 s and 60 MB); that draw is skipped here."""
+    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised.
+    NOTE: built on the meta device, where nn.Embedding's own init still runs through Python reference kernels that
+    import torch's compiler (measured: 3 s and 60 MB); that draw is skipped here."""
     normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
     try:
         with torch.device("meta"):
@@ -1476,13 +1483,10 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards with an index), lean:
-    the model is allocated once, in `dtype` on `device`, and filled one tensor at a time, read straight into
-    its parameter when the dtypes agree, else through one temporary tensor and a cast (a float64 file keeps
-    its bits in a float64 model); peak memory: the model plus the largest tensor. Refused with every culprit
-    listed, in the order the checks always had (so several faults give the same message as ever, at the cost
-    of reading every tensor before a name mismatch is reported): tensors not floating point, tensors holding
-    NaN or infinities, then missing, unexpected and misshapen tensors."""
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index), lean:
+    allocated once in `dtype` on `device`, filled one tensor at a time (straight into its parameter when the
+    dtypes agree); peak memory: the model plus the largest tensor. Refused with every culprit listed, in the
+    order the checks always had: not floating point, NaN or infinite, then missing, unexpected, misshapen."""
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -1558,12 +1562,7 @@ class HFTokenizer:
     """A checkpoint's own tokenizer.json, through the optional `tokenizers` package."""
 
     def __init__(self, path: str | os.PathLike, eos_id: int | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError(
-                "a checkpoint's tokenizer.json needs the optional package tokenizers: pip install tokenizers"
-            ) from None
+        Tokenizer = _optional("tokenizers", "a checkpoint's tokenizer.json").Tokenizer
         path = _check_path(path, "file", "tokenizer")
         try:
             self._tok = Tokenizer.from_file(str(path))
@@ -1595,10 +1594,8 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     if not isinstance(template := tok.config.get("chat_template"), str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
-    try:
-        from jinja2 import TemplateError, ext, sandbox
-    except ImportError:
-        raise ImportError("--prompt-format chat needs the optional package jinja2: pip install jinja2") from None
+    jinja2, sandbox, ext = (_optional(m, "--prompt-format chat") for m in ("jinja2", "jinja2.sandbox", "jinja2.ext"))
+    TemplateError = jinja2.TemplateError  # HF's renderer: jinja2, sandboxed
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -1995,11 +1992,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # NOTE: CUDA kernels run asynchronously: time only after this
 
 
+def _timed(device: torch.device, fn: Callable):
+    """(seconds, fn()), the device synchronized on both sides."""
+    _sync(device)
+    t = time.perf_counter()
+    res = fn()
+    _sync(device)
+    return time.perf_counter() - t, res
+
+
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower a bfloat16 matmul is than a float32 one here (README: "bfloat16 needs a CPU that has it"),
-    at this model's MLP shape (C -> I), 1 row (decoding) and 32 (prefill, learner): {"rows_1", "rows_32", "worst"}.
-    NOTE: on the CPU on one thread: with other processes busy, OpenMP's threads wait for each other and a timing turns
-    into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's, which one thread shows."""
+    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32:
+    {"rows_1", "rows_32", "worst"}. NOTE: one CPU thread: on busy cores OpenMP's threads wait for each other and a
+    timing turns into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's."""
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
@@ -2012,12 +2017,7 @@ def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, 
             times = {dt: [] for dt in args}
             for _ in range(6):  # alternate the dtypes, so drift hits both; the first round warms up
                 for dt, (x, w) in args.items():
-                    _sync(device)
-                    t = time.perf_counter()
-                    for _ in range(calls):
-                        F.linear(x, w)
-                    _sync(device)
-                    times[dt].append(time.perf_counter() - t)
+                    times[dt].append(_timed(device, lambda: [F.linear(x, w) for _ in range(calls)])[0])
             ratios[f"rows_{n}"] = round(min(times[torch.bfloat16][1:]) / min(times[torch.float32][1:]), 2)
     finally:
         torch.set_num_threads(threads)
@@ -2114,10 +2114,8 @@ class TrainConfig:
 
 
 def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
-    """One JSON-ready record per sequence. Completion token k is read out at position len(prompt)-1+k, after that
-    position's exit loop exit_loops[k] (1-based); sampled exits add "exit_logprobs" (the step's log-prob is
-    logprobs[k] + exit_logprobs[k]). The log-probs are the distribution sampled ("processed"), or `raw` (B, N)
-    (`raw_logprobs`) in logprob_mode "raw"."""
+    """One JSON-ready record per sequence (README, Contract §8): token k read out at position len(prompt)-1+k,
+    after exit loop exit_loops[k]; log-probs of the distribution sampled, or `raw` (`raw_logprobs`) when given."""
     sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
@@ -2139,10 +2137,9 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
 def export_rounded(
     master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """A float32 master tensor rounded to bfloat16 by `rule`. nearest: to the nearest (ties to even).
-    stochastic: away from zero with probability (distance to the neighbour toward zero) / gap, so the
-    copy's mean is the master (draws from `gen`). error-feedback: master + residual to the nearest, the new
-    error left in `residual` (in place): the copies' running sum is the masters' up to the last residual."""
+    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up in magnitude with
+    probability (distance to the lower one) / gap, so the copy's mean is the master. error-feedback: master +
+    residual to the nearest, the new error kept in `residual`: the copies' sum is the masters' up to one residual."""
     if rule == "error-feedback":
         target = master + residual
         copy = target.to(torch.bfloat16)
@@ -2158,10 +2155,9 @@ def export_rounded(
 
 
 class MasterWeights:
-    """The optimizer `train` hands grpo_update below float32: AdamW on float32 master weights, and the model (the
-    copy that rolls out, replays and is teacher-forced) exported from them after every step; the copy's gradient,
-    all-reduced and clipped, is the masters'. NOTE: the masters start as the copy's exact float32 value, so step 1
-    samples what a plain bfloat16 run samples, and the lag metric's start point can be kept in bfloat16."""
+    """The optimizer `train` hands grpo_update below float32: AdamW on float32 masters, the model (the copy that
+    rolls out, replays and is teacher-forced) exported from them after every step; the copy's gradient is theirs.
+    NOTE: the masters start as the copy's exact float32 value: step 1 samples what a plain bfloat16 run samples."""
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
@@ -2488,17 +2484,12 @@ def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[
     return [float(c) for c in cdf]
 
 
-def exit_threshold_as_compared(tau: float, dtype: torch.dtype, rule: str = "survival") -> float:
-    """The threshold a rule's comparison really uses: as given ("survival"), or rounded to the gates'
-    dtype the way torch rounds a Python float compared with a tensor ("hf")."""
-    return tau if rule == "survival" else float(torch.tensor(tau, dtype=torch.float64).to(dtype))
-
-
 def exit_margin(gate_logits: torch.Tensor, R: int, tau: float, rule: str = "survival") -> torch.Tensor:
     """CDF_r - tau for r = 1..R (R gates in, R values out), in float64: how far each loop was from
     exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
     cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
-    return cdf - exit_threshold_as_compared(tau, gate_logits.dtype, rule)
+    # "hf" compares a model-dtype tensor with a Python float: torch first rounds tau to the gates' dtype
+    return cdf - (tau if rule == "survival" else float(torch.tensor(tau, dtype=torch.float64).to(gate_logits.dtype)))
 
 
 class LastExitedKV(ExactKV):
@@ -2509,8 +2500,7 @@ class LastExitedKV(ExactKV):
     prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
 
     def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
-        """The generated positions read out in `call` stop for good and serve their K/V of this loop to every
-        deeper loop. The copied slots count as computed (depth R), so no call runs them again."""
+        """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
         rows = [(b, p) for b, p in call.readout if p > first[b]]
         if rows:
             seq, pos = torch.tensor(rows, device=cache.h.device).T  # (n,) each
@@ -2587,7 +2577,7 @@ RATIO_BANDS = (0.01, 0.2)  # the summary's shares of tokens whose ratio exp(reco
 class VerifyOptions:
     """How `verify_records` recomputes records and `verify_summary` judges them (the flags of `verify`)."""
 
-    kv: str = "exact"  # the KV semantics the engine claims (KV_MODES)
+    kv: str = "exact"  # the KV semantics the engine claims (KV_POLICIES)
     threshold: float | None = None  # the exit threshold (None: the config's)
     min_loops: int = 1  # no position exits before this loop
     exit_rule: str = "survival"  # EXIT_RULES
@@ -2662,23 +2652,17 @@ def _check_reference_finite(
 
 
 def sampler_seed(seed: int, index: int) -> int:
-    """The seed of the sampler test's uniforms for sequence `index`.
-
-    NOTE: a stream apart from the rollout's own (`sequence_seed`): a sampler's uniform lies inside the
-    interval of the token it picked, so reusing it would tie the PIT's uniform to the token, and the
-    values would not be uniform even for a perfect engine."""
+    """The seed of the sampler test's uniforms for sequence `index`. NOTE: a stream apart from the rollout's
+    (`sequence_seed`): a sampler's uniform lies inside its token's interval, so reusing it would tie the PIT's
+    uniform to the token, and the values would not be uniform even for a perfect engine."""
     return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def randomized_pit(logp: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The randomized probability integral transform of drawn tokens under a policy.
-
-    logp (k, V) the policy's log-probs, tokens (k,) long, uniforms (k,) float64 in [0, 1) -> (k,) float64:
-    u = F(before) + U * p(token), where the vocabulary is ordered by probability, highest first (ties by
-    id), and F(before) is the probability of the tokens ranked above. If the tokens are draws from this
-    policy, u ~ U(0, 1) exactly. The order makes the common faults visible: a lower temperature piles u
-    near 0, a higher one or another loop's logits spread it, top-p or top-k truncation empties the top.
-    """
+    """The randomized probability integral transform of drawn tokens under a policy: logp (k, V), tokens (k,),
+    uniforms (k,) -> (k,) float64 u = F(before) + U * p(token), the vocabulary ordered by probability, highest first
+    (ties by id). For draws from this policy u ~ U(0, 1) exactly; the order makes common faults visible: a lower
+    temperature piles u near 0, a higher one or another loop's logits spread it, truncation empties the top."""
     probs = logp.double().exp()  # (k, V)
     probs = probs / probs.sum(1, keepdim=True)  # exp(log_softmax) sums to 1 only to rounding
     ranked, order = probs.sort(dim=1, descending=True, stable=True)  # (k, V)
@@ -2699,12 +2683,9 @@ def kolmogorov_sf(lam: float) -> float:
 
 
 def ks_uniform(values) -> tuple[float, float]:
-    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value).
-
-    D = sup |F_n(x) - x|; the p-value is the asymptotic Kolmogorov distribution at
-    (sqrt(n) + 0.12 + 0.11 / sqrt(n)) * D, Stephens' finite-n correction (within about 1% of the exact
-    p-value from n = 5 on, where p-values near 1e-3 matter). No scipy needed.
-    """
+    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value), D = sup |F_n(x) - x|. The
+    p-value: the Kolmogorov distribution at (sqrt(n) + 0.12 + 0.11 / sqrt(n)) * D, Stephens' finite-n correction
+    (within ~1% of the exact p-value from n = 5 on, where p-values near 1e-3 matter). No scipy needed."""
     u = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values  # (n,)
     n = u.numel()
     if n == 0:
@@ -2786,10 +2767,9 @@ class VerifyResult:
 
 
 def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bool) -> tuple[torch.Tensor, ...]:
-    """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 the reference's log-probs
-    (`raw`: of the unscaled, unfiltered logits, logprob_mode "raw"); gates (B, N, R) in the model's dtype, the gate
-    logit of every loop run (NaN: not run); ran (B, N) long the loops run (R, except under kv="last_exited");
-    policy (B, N) float64, under ro.policy, the PIT with `uniforms` (temperature > 0) or the greedy gap."""
+    """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 (`raw`: of the plain logits);
+    gates (B, N, R) the gate logit of every loop run (NaN: not run); ran (B, N) the loops run (R, but last_exited);
+    policy (B, N) float64: the PIT with `uniforms` (temperature > 0) or the greedy gap."""
     R = model.config.total_ut_steps
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
@@ -2829,10 +2809,9 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bo
 
 
 def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list, opts: VerifyOptions):
-    """A record's exit loops against the rule's, rule_gates (n, R), ran (n,): {"token", "recorded", "rule",
-    "margin"} per disagreement. `margin` is CDF - threshold at the first loop where the two decisions part
-    (tiny |margin|: a near-threshold flip; large: a wrong depth), None where no threshold could explain the
-    difference (none in the config, or a recorded exit before min_loops)."""
+    """A record's exit loops against the rule's: {"token", "recorded", "rule", "margin"} per disagreement, margin
+    = CDF - threshold where the two part (tiny: a near-threshold flip; large: a wrong depth; None: no threshold
+    explains it)."""
     R, tau, min_loops, sampled_exits = rule_gates.shape[1], opts.threshold, opts.min_loops, "exit_logprobs" in rec
     violations = []
     for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], rule_exits)):
@@ -2891,13 +2870,11 @@ def verify_records(
     first_index: int = 0,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[VerifyResult]:
-    """Recompute records teacher-forced (in the model's dtype), `opts.batch_size` sequences per pass (records
-    of one sampling together; per-sequence results do not depend on the grouping beyond rounding): each token's
-    log-prob at its recorded exit loop, the exit rule at every producing position (on the reference's gates
-    rounded to `opts.rule_dtype`, the engine's dtype; default the model's), and the reference policy at that
-    loop for the sampler test (uniforms from `sampler_seed(opts.seed, first_index + i)`). A `VerifyResult` per
-    record, in order; `on_batch(done)` reports progress. A ValueError or NonFiniteError carries the failing
-    record's index in `recs` as `.index`."""
+    """Recompute records teacher-forced (model dtype), `opts.batch_size` sequences of one sampling per pass:
+    each token's log-prob at its recorded exit loop, the exit rule at every producing position (on the gates
+    rounded to `opts.rule_dtype`, the engine's), and the policy for the sampler test (uniforms from
+    `sampler_seed(opts.seed, first_index + i)`). A `VerifyResult` per record; `on_batch(done)` reports progress;
+    a ValueError or NonFiniteError carries the failing record's index in `recs` as `.index`."""
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
     results: dict[int, VerifyResult] = {}
@@ -2957,10 +2934,8 @@ def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: to
 
 
 def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions) -> dict:
-    """The verdict and the statistics of `verify`, as the JSON summary (see README, "Checking a bfloat16
-    engine", for what each number means). "passed" is the exit status: no log-prob beyond atol, no
-    exit-rule disagreement beyond the flip margin, a sampler test above alpha, greedy tokens at the argmax.
-    """
+    """The verdict and statistics of `verify`, its JSON summary (README, "Checking a bfloat16 engine", says what
+    each number means). "passed": no failure of any kind (`VerifyResult.failures`) and a sampler test above alpha."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
     pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])  # (sampled tokens,)
@@ -3028,16 +3003,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
         print(f"  ... and more failing sequences (the first {limit} are shown)")
 
 
-def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], summary: dict, R: int) -> None:
+def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary: dict, R: int):
     """|Δ log-prob| per token (log scale) coloured by exit loop, and the sampler test's histogram."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no plot)")
-        return
     fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
     diff = torch.cat([r.diff for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
@@ -3056,11 +3023,7 @@ def _plot_verify(path: Path, records: list[dict], results: list[VerifyResult], s
     else:
         hx.text(0.5, 0.5, "no sampled (temperature > 0) records", ha="center", va="center")
     hx.set_xlabel("randomized PIT under the reference policy")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
-    plt.close(fig)
-    print(f"wrote {path}")
+    return fig
 
 
 def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
@@ -3108,7 +3071,9 @@ def cmd_verify(args) -> int:
             f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
         )
     if args.plot:
-        _plot_verify(Path(args.plot), records, results, summary, model.config.total_ut_steps)
+        save_plot(
+            Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, model.config.total_ut_steps)
+        )
     passed = summary.pop("passed")
     print(json.dumps(summary))
     return 0 if passed else 1
@@ -3182,15 +3147,6 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
         e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-def _timed(device: torch.device, fn: Callable):
-    """(seconds, fn()), the device synchronized on both sides."""
-    _sync(device)
-    t = time.perf_counter()
-    res = fn()
-    _sync(device)
-    return time.perf_counter() - t, res
 
 
 def _reset_peak_memory(device: torch.device) -> None:
@@ -3309,10 +3265,9 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
 
 
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
-    """Dense and deferred rollouts of B prompts, --repeats times each, alternating so that drift hits both
-    alike: tokens per second against the ideal (their ratio of calls), and the roofline, the share of the copy
-    bandwidth each reaches (decoding reads every weight once per call, so a rollout can go no faster than its
-    bytes / the bandwidth; prefill included: a few calls of a few rows). Also returns the runs."""
+    """Dense and deferred rollouts of B prompts, --repeats times each, alternating (drift hits both alike):
+    tokens/s against the ideal (their ratio of calls), and the roofline: the share of the copy bandwidth each
+    reaches (decoding reads every weight once per call, prefill included). Also returns the runs."""
     _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
@@ -3698,15 +3653,8 @@ def _preset_flags(name: str, base, preset: dict) -> type:
 DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 
 
-def _plot_history(history: list[dict], path: Path, R: int, before: dict, after: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not installed: no plot)")
-        return
+def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
+    """Accuracy per GRPO step (and its running mean), the held-out accuracies, and the mean exit loop."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = [m["step"] for m in history]
     acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
@@ -3721,10 +3669,7 @@ def _plot_history(history: list[dict], path: Path, R: int, before: dict, after: 
     loops.set(ylim=(1, R), ylabel="mean exit loop")
     (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), loops.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
-    print(f"wrote {path}")
+    return fig
 
 
 def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags, t0: float) -> dict:
@@ -3775,7 +3720,10 @@ def cmd_demo(flags) -> int:
     for r, c in enumerate(hist := after["exit_histogram"], 1):
         print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, sum(hist)))}")
     if flags.out:
-        _plot_history(history, Path(flags.out) / "demo.png", model.config.total_ut_steps, before, after)
+        save_plot(
+            Path(flags.out) / "demo.png",
+            lambda plt: _plot_history(plt, history, model.config.total_ut_steps, before, after),
+        )
     print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
     return 0
 
