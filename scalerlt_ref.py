@@ -1917,6 +1917,23 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
         (group if "exclusive" in m else parser).add_argument("--" + f.name.replace("_", "-"), default=f.default, **kw)
 
 
+def _check_out(path: str, kind: str, flag: str = "--out") -> None:
+    """`path` must be (or can become) a writable "file"/"folder": a temporary file finds a read-only or full disk."""
+    p = Path(path)
+    if p.exists() and p.is_dir() != (kind == "folder"):
+        raise ValueError(f"{flag}: {p} exists and is not a {kind}")
+    start = p if kind == "folder" else p.parent
+    probe_dir = next(d for d in (start, *start.parents) if d.exists())  # the nearest that exists, at or above
+    if not probe_dir.is_dir():
+        raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
+    probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
+
+
 def _check_flag(f: dataclasses.Field, v) -> str | None:
     """What the flag's value must be, if `v` is not that (from the field's type and metadata)."""
     m, kind = f.metadata, f.type.split(" |")[0]
@@ -1965,23 +1982,6 @@ def check_flags(flags) -> None:
         raise ValueError("--resume needs --out (the folder holding trainer_state.pt)")
     if getattr(flags, "device", "cpu").startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {flags.device}: no CUDA device is available")
-
-
-def _check_out(path: str, kind: str, flag: str = "--out") -> None:
-    """`path` must be (or can become) a writable "file"/"folder": a temporary file finds a read-only or full disk."""
-    p = Path(path)
-    if p.exists() and p.is_dir() != (kind == "folder"):
-        raise ValueError(f"{flag}: {p} exists and is not a {kind}")
-    start = p if kind == "folder" else p.parent
-    probe_dir = next(d for d in (start, *start.parents) if d.exists())  # the nearest that exists, at or above
-    if not probe_dir.is_dir():
-        raise ValueError(f"{flag}: {p} cannot be created: {probe_dir} is not a folder")
-    probe = probe_dir / f".scalerlt-write-test.tmp{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag}: {p} is not writable ({e.strerror or e})") from None
 
 
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
