@@ -85,8 +85,8 @@ class Config:
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.head_dim == 0 and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
-            self.head_dim = self.hidden_size // max(1, self.num_attention_heads)
+        if self.head_dim == 0:  # checked by the loader (`check_config`) before a file's Config is built
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
 
 # --- Numerics ---------------------------------------------------------------------------------------
