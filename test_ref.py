@@ -38,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -87,8 +88,8 @@ def slow_job(test_name: str, first: bool = False):
 def run_once_more_on_gloo_exit_abort(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, **kw)`, run once more if it failed only as torch 2.13's
     gloo sometimes fails under torchrun on a loaded 2-core machine: a rank aborts at interpreter exit, after the run
-    finished ("terminate called without an active exception"; 3 of ~60 launches while the suite ran, cause not
-    found: a 2-process gloo script with the same collectives never did it in 70 launches)."""
+    finished ("terminate called without an active exception"; 4 of ~66 launches, cause not found: a 2-process gloo
+    script with the same collectives never did it in 68 launches). See the README's "Several processes"."""
     r = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if r.returncode != 0 and "terminate called without an active exception" in r.stdout + r.stderr:
         print(f"gloo aborted a finished rank at exit; running once more: {cmd[-1][:100]!r}")
@@ -3678,7 +3679,8 @@ def _readme_job(tmp: Path) -> list[tuple[str, subprocess.CompletedProcess, float
     gsm8k = tmp / "gsm8k.jsonl"  # GSM8K's format; real GSM8K's long prompts would take minutes here
     problems = S.arithmetic_problems(80, 0)
     gsm8k.write_text("".join(json.dumps({"question": p["question"], "answer": p["answer"]}) + "\n" for p in problems))
-    client, sock = tmp.parent / f"{tmp.name}_client.py", f"{tmp.parent / tmp.name}.sock"
+    client = tmp.parent / f"{tmp.name}_client.py"
+    sock = os.path.join(tempfile.mkdtemp(dir="/tmp" if os.path.isdir("/tmp") else None), "s")  # paths: <= 107 bytes
     client.write_text(_FORK_CLIENT)
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = dict(os.environ, PATH=path, README_FORK_SERVER=sock, OMP_NUM_THREADS="1")
@@ -3698,6 +3700,7 @@ def _readme_job(tmp: Path) -> list[tuple[str, subprocess.CompletedProcess, float
     finally:
         server.kill()
         server.wait()
+        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
     return done
 
 
