@@ -89,7 +89,7 @@ def run_once_more_on_gloo_exit_abort(cmd: list[str], **kw) -> subprocess.Complet
     """`subprocess.run(cmd, capture_output=True, text=True, **kw)`, run once more if it failed only as torch 2.13's
     gloo sometimes fails under torchrun on a loaded 2-core machine: a rank aborts at interpreter exit, after the run
     finished ("terminate called without an active exception"; 4 of ~66 launches, cause not found: a 2-process gloo
-    script with the same collectives never did it in 68 launches). See the README's "Several processes"."""
+    script with all_reduce, AdamW and one rank finishing late never did it in 68 launches). See the README."""
     r = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if r.returncode != 0 and "terminate called without an active exception" in r.stdout + r.stderr:
         print(f"gloo aborted a finished rank at exit; running once more: {cmd[-1][:100]!r}")
@@ -1916,15 +1916,13 @@ def _kill_args(dtype: str, config: Path) -> list[str]:
 
 
 @slow_job("test_resumed_run_equals_uninterrupted")
-def _kill_job(tmp: Path) -> dict[str, tuple[Path, Path]]:
-    """Per dtype: a run that never stops (a), and one SIGKILLed once step 4's update is done (b); the micro model."""
+def _kill_job(tmp: Path) -> dict[str, tuple[Path, Path, list[str]]]:
+    """Per dtype, on the micro model: a run that never stops (a), one SIGKILLed once step 4's update is done (b),
+    and their flags."""
     micro, env, out = write_micro(tmp), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)), {}
     for dtype in KILL_DTYPES:
-        args, (a, b, flag) = (
-            _kill_args(dtype, micro),
-            (tmp / dtype / x for x in ("a", "b", "step4_updated")),
-        )
-        run = [sys.executable, "-c", _TRAIN]
+        args, run = _kill_args(dtype, micro), [sys.executable, "-c", _TRAIN]
+        a, b, flag = (tmp / dtype / x for x in ("a", "b", "step4_updated"))
         subprocess.run(
             [*run, "", *args, "--out", str(a)], check=True, env=env, cwd=HERE, timeout=300, capture_output=True
         )
@@ -1941,7 +1939,7 @@ def _kill_job(tmp: Path) -> dict[str, tuple[Path, Path]]:
             child.kill()
             child.wait()
         assert child.returncode == -signal.SIGKILL
-        out[dtype] = (a, b)
+        out[dtype] = (a, b, args)
     return out
 
 
@@ -1952,8 +1950,7 @@ def test_resumed_run_equals_uninterrupted(slow_jobs, dtype):
     the last checkpoint), resumed, ends bit for bit where a run that never stopped ends: the weights,
     every AdamW state tensor and step count, the torch RNG state, and the metrics log (timings aside); in
     bfloat16 also the float32 masters and the exporter (its generator, the start for the lag metric)."""
-    a, b = slow_jobs["test_resumed_run_equals_uninterrupted"].result()[dtype]
-    args = _kill_args(dtype, a.parent.parent / "micro.json")
+    a, b, args = slow_jobs["test_resumed_run_equals_uninterrupted"].result()[dtype]
 
     def load(folder):
         return torch.load(folder / "trainer_state.pt", weights_only=True)
@@ -1973,7 +1970,7 @@ def test_resumed_run_equals_uninterrupted(slow_jobs, dtype):
     for k in x["model"]:
         d = maxdiff(x["model"][k], y["model"][k])
         assert torch.equal(x["model"][k], y["model"][k]), f"{k}: max |diff| = {d:.3e}"
-    start = S.LoopedLM(S.Config.from_json(a.parent.parent / "micro.json"), seed=0).state_dict()
+    start = S.LoopedLM(S.Config.from_json(args[args.index("--config") + 1]), seed=0).state_dict()
     assert any(not torch.equal(x["model"][k], start[k].to(x["model"][k].dtype)) for k in start), "vacuous"
     assert ("masters" in x) == (dtype == "bfloat16") and ("masters" in y) == (dtype == "bfloat16")
     _assert_same_state(
@@ -2117,11 +2114,12 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
 
 
 @slow_job("test_two_processes_match_one")
-def _torchrun_job(tmp: Path) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess]]:
+def _torchrun_job(tmp: Path) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess, Path]]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
     on the micro model (written here: a job runs before any fixture would).
     Seed 3: both steps' groups have rewards that differ, so both steps move the weights."""
-    common = ["train", "--config", str(write_micro(tmp)), "--steps", "2", "--prompts-per-step", "2",
+    micro = write_micro(tmp)
+    common = ["train", "--config", str(micro), "--steps", "2", "--prompts-per-step", "2",
               "--group-size", "2", "--max-new-tokens", "4", "--numerics", "invariant", "--reward", "digits",
               "--subset", "20", "--seed", "3", "--device", "cpu", "--log-rollouts", "--lr", "1e-2"]  # fmt: skip
     script, env, out = str(Path(S.__file__).resolve()), dict(os.environ, OMP_NUM_THREADS="1"), {}
@@ -2131,7 +2129,7 @@ def _torchrun_job(tmp: Path) -> dict[str, tuple[Path, Path, subprocess.Completed
                        capture_output=True)  # fmt: skip
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
         res = run_once_more_on_gloo_exit_abort([*launch, *flags, "--out", str(two)], env=env, timeout=300)
-        out[dtype] = (one, two, res)
+        out[dtype] = (one, two, res, micro)
     return out
 
 
@@ -2143,7 +2141,7 @@ def test_two_processes_match_one(slow_jobs, dtype):
     stochastic export drawn alike on both ranks) the all-reduced bfloat16 gradient rounds differently
     from one process's, so step 1's rollouts are identical, both runs exact (mismatched 0), and the
     parameters agree to 1e-2."""
-    one, two, res = slow_jobs["test_two_processes_match_one"].result()[dtype]
+    one, two, res, micro = slow_jobs["test_two_processes_match_one"].result()[dtype]
     assert res.returncode == 0, res.stderr[-3000:]
 
     def records(folder):
@@ -2163,7 +2161,7 @@ def test_two_processes_match_one(slow_jobs, dtype):
     assert len(list(two.glob("rollouts.rank*.jsonl"))) == 2
     st_ = pytest.importorskip("safetensors.torch")
     a, b = st_.load_file(str(one / "model.safetensors")), st_.load_file(str(two / "model.safetensors"))
-    start = S.LoopedLM(S.Config.from_json(one.parent.parent / "micro.json"), seed=0).state_dict()
+    start = S.LoopedLM(S.Config.from_json(micro), seed=0).state_dict()
     assert a.keys() == b.keys() and len(a) > 0 and a.keys() <= start.keys()
     for k in a:
         rel = float((a[k] - b[k]).float().norm() / a[k].float().norm().clamp_min(1e-30))
@@ -3611,7 +3609,9 @@ README_REPLACE = [
 
 def readme_blocks(text: str) -> list[tuple[str, str, bool]]:
     """The README's ```bash and ```python blocks in order: (language, code, run?)."""
-    found = re.finditer(r"(?:^(<!-- not run: [^\n]*-->)\n)?^```(bash|python)\n(.*?)^```$", text, re.M | re.S)
+    found = re.finditer(
+        r"(?:^(<!-- not run: [^\n]*-->)\n)?^```(bash|python)\n(.*?)^```$", text, re.MULTILINE | re.DOTALL
+    )
     return [(m[2], m[3], m[1] is None) for m in found]
 
 
