@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -74,7 +75,7 @@ with warnings.catch_warnings():
 # starts, if the test is selected; the test waits for what the job returns and makes every assertion
 # itself. On 2 cores the children run while the in-process tests do: the same runs and checks, less wall
 # time. Two threads: the longest job (`first`) on one, the others in test order on the other.
-SLOW_JOBS: dict[str, tuple[bool, object]] = {}  # test name: (first?, job(folder) -> what the test checks)
+SLOW_JOBS: dict[str, tuple[bool, object]] = {}  # test name: (first?, job(folder, forks) -> what it checks)
 
 
 def slow_job(test_name: str, first: bool = False):
@@ -102,8 +103,117 @@ def slow_jobs(request, tmp_path_factory):
     """{test name: the Future of its job} for the selected slow tests, all started at the session's start."""
     order = [item.originalname for item in request.session.items]
     names = sorted(SLOW_JOBS.keys() & set(order), key=lambda n: (not SLOW_JOBS[n][0], order.index(n)))
-    with ThreadPoolExecutor(2, initializer=_yield_the_cpu) as pool:
-        yield {n: pool.submit(SLOW_JOBS[n][1], tmp_path_factory.mktemp(n[5:25])) for n in names}
+    if not names:
+        yield {}
+        return
+    forks = ForkServer()
+    try:
+        with ThreadPoolExecutor(2, initializer=_yield_the_cpu) as pool:
+            yield {n: pool.submit(SLOW_JOBS[n][1], tmp_path_factory.mktemp(n[5:25]), forks) for n in names}
+    finally:
+        forks.close()
+
+
+# The jobs' `python` runs: one warm interpreter (the fork server) imports torch, its compiler stack (which
+# AdamW loads) and matplotlib once; a fresh interpreter spends ~2.4 s on them, most of a short run's time.
+# A run hands the server its arguments, folder, environment and standard streams; the server forks, and
+# the fork runs `python ARGS` as the interpreter would (a script as `__main__`, or `-c CODE`): its own
+# process, as written, minus the imports. torchrun starts fresh interpreters as usual.
+_FORK_SERVER = """
+import os; os.nice(10)  # like the job threads: the in-process tests go first
+import json, runpy, signal, socket, sys, traceback
+import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
+import numpy, torch, torch._dynamo
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the forks reap themselves
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server.bind(sys.argv[1])
+server.listen()
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if os.fork():
+        conn.close(), [os.close(fd) for fd in fds]
+        continue
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    m, code = json.loads(msg), 1
+    [os.dup2(fd, i) for i, fd in enumerate(fds)]
+    os.chdir(m["cwd"]), os.environ.clear(), os.environ.update(m["env"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    conn.send(str(os.getpid()).encode())
+    try:
+        if m["argv"][0] == "-c":
+            sys.argv = ["-c", *m["argv"][2:]]
+            exec(compile(m["argv"][1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv, sys.path[0] = m["argv"], os.path.dirname(os.path.abspath(m["argv"][0]))
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush(), sys.stderr.flush(), conn.send(bytes([code & 255]))
+    os._exit(code)
+"""
+# A shell command's `python` (the README check's bash blocks) runs this client: it hands its arguments,
+# folder, environment and standard streams (so redirections work) to the server and exits with the status
+# it gets back.
+_FORK_CLIENT = """
+import json, os, socket, sys
+c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+c.connect(os.environ["FORK_SERVER"])
+msg = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+socket.send_fds(c, [msg], [0, 1, 2])
+c.recv(32)  # the fork's pid
+sys.exit((c.recv(1) or b"\\x01")[0])
+"""
+
+
+class ForkServer:
+    """`run(args, cwd, env)`: `python *args` as a fork of one warm interpreter (above). The server starts at
+    once and is waited for on first use, so its imports overlap the first in-process tests."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(dir="/tmp" if os.path.isdir("/tmp") else None)  # socket paths: <= 107 bytes
+        self.path, self.lock, self.ready = os.path.join(self.folder, "s"), threading.Lock(), False
+        cmd = [sys.executable, "-c", _FORK_SERVER, self.path]
+        self.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def run(self, args: list, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Its returncode is None if the fork died without exiting (killed)."""
+        self.wait()
+        args = [str(a) for a in args]
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, open(os.devnull) as null:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+                c.connect(self.path)
+                msg = json.dumps({"argv": args, "cwd": str(cwd), "env": env}).encode()
+                socket.send_fds(c, [msg], [null.fileno(), out.fileno(), err.fileno()])
+                c.settimeout(timeout)
+                pid = int(c.recv(32) or 0)
+                try:
+                    status = c.recv(1)
+                except TimeoutError:
+                    os.kill(pid, signal.SIGKILL)
+                    raise subprocess.TimeoutExpired(args, timeout) from None
+            out.seek(0), err.seek(0)
+            return subprocess.CompletedProcess(args, status[0] if status else None, out.read(), err.read())
+
+    def wait(self) -> None:
+        with self.lock:
+            self.ready = self.ready or self.server.stdout.readline() == "ready\n"
+        assert self.ready, "the fork server did not start"
+
+    def client(self, path: Path) -> Path:
+        """Writes the client for shell commands at `path` (they run it with FORK_SERVER set to `self.path`)."""
+        self.wait()
+        path.write_text(_FORK_CLIENT)
+        return path
+
+    def close(self) -> None:
+        self.server.kill()
+        self.server.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _yield_the_cpu() -> None:
@@ -111,6 +221,25 @@ def _yield_the_cpu() -> None:
     go first, and the children use what is left (Linux: a thread's niceness is its own, children inherit it)."""
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+MEASURE_BF16_SLOWDOWN = S.bf16_slowdown
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bf16_slowdown_measured_once():
+    """`train` in bfloat16 times bfloat16 against float32 matmuls (~0.5 s a run; the trainer tests make 14
+    such runs): here each shape is measured once and the figure reused (its own test measures afresh)."""
+    memo = {}
+
+    def once(cfg: S.Config, device="cpu") -> dict[str, float]:
+        key = (cfg.intermediate_size, cfg.hidden_size, str(device))
+        memo[key] = memo.get(key) or MEASURE_BF16_SLOWDOWN(cfg, device)
+        return memo[key]
+
+    S.bf16_slowdown = once
+    yield
+    S.bf16_slowdown = MEASURE_BF16_SLOWDOWN
 
 
 def examples(n: int) -> settings:
@@ -1891,7 +2020,7 @@ def test_builtin_problems_are_seeded_and_scored():
 # memory (its checkpoint not yet written) it signals and waits to be killed: the kill lands between two
 # checkpoints, deterministically.
 _TRAIN = """
-import pathlib, sys, time
+import os, pathlib, signal, sys
 import torch
 import scalerlt_ref as S
 torch.manual_seed(7)
@@ -1901,7 +2030,7 @@ def hooked(*a, **k):
     calls.append(1)
     if len(calls) == 4 and sys.argv[1]:
         pathlib.Path(sys.argv[1]).touch()
-        time.sleep(600)
+        os.kill(os.getpid(), signal.SIGKILL)
     return m
 S.grpo_update = hooked
 sys.exit(S.main(sys.argv[2:]))
@@ -1916,29 +2045,17 @@ def _kill_args(dtype: str, config: Path) -> list[str]:
 
 
 @slow_job("test_resumed_run_equals_uninterrupted")
-def _kill_job(tmp: Path) -> dict[str, tuple[Path, Path, list[str]]]:
-    """Per dtype, on the micro model: a run that never stops (a), one SIGKILLed once step 4's update is done (b),
-    and their flags."""
-    micro, env, out = write_micro(tmp), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)), {}
+def _kill_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, list[str]]]:
+    """Per dtype, on the micro model: a run that never stops (a), one that SIGKILLs itself once step 4's update
+    is done (b), and their flags."""
+    micro, env, out = write_micro(tmp), dict(os.environ, OMP_NUM_THREADS="1"), {}
     for dtype in KILL_DTYPES:
-        args, run = _kill_args(dtype, micro), [sys.executable, "-c", _TRAIN]
+        args = _kill_args(dtype, micro)
         a, b, flag = (tmp / dtype / x for x in ("a", "b", "step4_updated"))
-        subprocess.run(
-            [*run, "", *args, "--out", str(a)], check=True, env=env, cwd=HERE, timeout=300, capture_output=True
-        )
-        child = subprocess.Popen([*run, str(flag), *args, "--out", str(b)], env=env, cwd=HERE,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-        try:
-            for _ in range(3000):
-                if flag.exists() or child.poll() is not None:
-                    break
-                time.sleep(0.1)
-            assert flag.exists(), f"the run never reached step 4 (rc {child.poll()}): {child.stderr.read()[-2000:]!r}"
-            child.send_signal(signal.SIGKILL)
-        finally:
-            child.kill()
-            child.wait()
-        assert child.returncode == -signal.SIGKILL
+        r = forks.run(["-c", _TRAIN, "", *args, "--out", a], cwd=HERE, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = forks.run(["-c", _TRAIN, flag, *args, "--out", b], cwd=HERE, env=env)
+        assert flag.exists() and r.returncode is None, f"the run was not killed at step 4 ({r.returncode}): {r.stderr}"
         out[dtype] = (a, b, args)
     return out
 
@@ -2114,7 +2231,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
 
 
 @slow_job("test_two_processes_match_one")
-def _torchrun_job(tmp: Path) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess, Path]]:
+def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess, Path]]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
     on the micro model (written here: a job runs before any fixture would).
     Seed 3: both steps' groups have rewards that differ, so both steps move the weights."""
@@ -2125,8 +2242,8 @@ def _torchrun_job(tmp: Path) -> dict[str, tuple[Path, Path, subprocess.Completed
     script, env, out = str(Path(S.__file__).resolve()), dict(os.environ, OMP_NUM_THREADS="1"), {}
     for dtype in KILL_DTYPES:
         one, two, flags = tmp / dtype / "one", tmp / dtype / "two", [*common, *KILL_DTYPES[dtype]]
-        subprocess.run([sys.executable, script, *flags, "--out", str(one)], check=True, env=env, timeout=300,
-                       capture_output=True)  # fmt: skip
+        r = forks.run([script, *flags, "--out", one], cwd=HERE, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
         res = run_once_more_on_gloo_exit_abort([*launch, *flags, "--out", str(two)], env=env, timeout=300)
         out[dtype] = (one, two, res, micro)
@@ -2634,7 +2751,7 @@ def test_train_loads_a_checkpoint_straight_into_its_dtype(tmp_path, monkeypatch)
 def test_bf16_slowdown_is_measured_and_warned_about(tmp_path, monkeypatch, capsys):
     """bf16 vs float32 matmul speed is measured at the model's shapes; `train` in bf16 warns, with the
     ratio, where bf16 is more than 3x slower (as on an AVX2-only EPYC: 36x), and stays quiet otherwise."""
-    ratios = S.bf16_slowdown(S.Config(**TINY))
+    ratios = MEASURE_BF16_SLOWDOWN(S.Config(**TINY))
     assert set(ratios) == {"rows_1", "rows_32", "worst"} and all(0 < r < math.inf for r in ratios.values())
     assert S.bf16_warning({"rows_1": 2.9, "rows_32": 0.5, "worst": 2.9}) is None
     monkeypatch.setattr(S, "bf16_slowdown", lambda cfg, device: {"rows_1": 12.5, "rows_32": 36.0, "worst": 36.0})
@@ -3623,84 +3740,29 @@ def shrink(code: str, gsm8k: Path) -> str:
     return re.sub(rf"(scalerlt_ref\.py ({flags})\b[^#&;|>\n]*)", lambda m: f"{m[1]} {README_TINY_FLAGS[m[2]]} ", code)
 
 
-# The README check's fork server. Each `python scalerlt_ref.py ...` a README block runs (15 of them) would
-# spend ~2 s importing torch, its compiler stack (which AdamW loads) and matplotlib: most of the check's
-# time. Instead one server process imports them once, and the command's `python` runs a tiny client that
-# hands the server its arguments, folder, environment and standard streams (so redirections work) and
-# exits with the status it gets back; the server forks, and the fork runs the repository copy's
-# `scalerlt_ref.py` as `__main__`: its own process, as written, minus the imports. Other commands
-# (`python -c`, torchrun) start a fresh interpreter as usual.
-_FORK_SERVER = """
-import json, os, runpy, signal, socket, sys, traceback
-import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
-import numpy, torch, torch._dynamo
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the forks reap themselves
-server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-server.bind(sys.argv[1])
-server.listen()
-print("ready", flush=True)
-while True:
-    conn, _ = server.accept()
-    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    if os.fork():
-        conn.close(), [os.close(fd) for fd in fds]
-        continue
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    m, code = json.loads(msg), 1
-    [os.dup2(fd, i) for i, fd in enumerate(fds)]
-    os.chdir(m["cwd"]), os.environ.clear(), os.environ.update(m["env"])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    sys.argv = m["argv"]
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
-    except BaseException:
-        traceback.print_exc()
-    sys.stdout.flush(), sys.stderr.flush(), conn.send(bytes([code & 255]))
-    os._exit(code)
-"""
-_FORK_CLIENT = """
-import json, os, socket, sys
-c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-c.connect(os.environ["README_FORK_SERVER"])
-msg = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
-socket.send_fds(c, [msg], [0, 1, 2])
-sys.exit((c.recv(1) or b"\\x01")[0])
-"""
-
-
 @slow_job("test_readme_runs_as_written", first=True)
-def _readme_job(tmp: Path) -> list[tuple[str, subprocess.CompletedProcess, float]]:
-    """Every runnable README block in order, in a fresh copy of the repository, until one fails."""
+def _readme_job(tmp: Path, forks: ForkServer) -> list[tuple[str, subprocess.CompletedProcess, float]]:
+    """Every runnable README block in order, in a fresh copy of the repository, until one fails. Its `python`
+    commands (but torchrun's) run as forks of the warm interpreter."""
     for name in ("README.md", "scalerlt_ref.py", "test_ref.py", "requirements.txt", "tiny_configs"):
         (shutil.copytree if (HERE / name).is_dir() else shutil.copy)(HERE / name, tmp / name)
     gsm8k = tmp / "gsm8k.jsonl"  # GSM8K's format; real GSM8K's long prompts would take minutes here
     problems = S.arithmetic_problems(80, 0)
     gsm8k.write_text("".join(json.dumps({"question": p["question"], "answer": p["answer"]}) + "\n" for p in problems))
-    client = tmp.parent / f"{tmp.name}_client.py"
-    sock = os.path.join(tempfile.mkdtemp(dir="/tmp" if os.path.isdir("/tmp") else None), "s")  # paths: <= 107 bytes
-    client.write_text(_FORK_CLIENT)
+    client = forks.client(tmp.parent / f"{tmp.name}_client.py")
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = dict(os.environ, PATH=path, README_FORK_SERVER=sock, OMP_NUM_THREADS="1")
-    server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, sock], env=env, stdout=subprocess.PIPE, text=True)
-    done = []
-    try:
-        assert server.stdout.readline() == "ready\n", "the README check's fork server did not start"
-        for lang, code, run in readme_blocks((HERE / "README.md").read_text()):
-            if run:
-                bash = re.sub(r"\bpython scalerlt_ref\.py\b", f"python {client} scalerlt_ref.py", shrink(code, gsm8k))
-                cmd = ["bash", "-euo", "pipefail", "-c", bash] if lang == "bash" else [sys.executable, "-c", code]
-                t0 = time.time()
-                r = run_once_more_on_gloo_exit_abort(cmd, cwd=tmp, env=env, timeout=600)
-                done.append((code, r, time.time() - t0))
-                if r.returncode != 0:
-                    break
-    finally:
-        server.kill()
-        server.wait()
-        shutil.rmtree(os.path.dirname(sock), ignore_errors=True)
+    env, done = dict(os.environ, PATH=path, FORK_SERVER=forks.path, OMP_NUM_THREADS="1"), []
+    for lang, code, run in readme_blocks((HERE / "README.md").read_text()):
+        if run:
+            t0 = time.time()
+            if lang == "bash":
+                bash = re.sub(r"\bpython (scalerlt_ref\.py|-c)\b", rf"python {client} \1", shrink(code, gsm8k))
+                r = run_once_more_on_gloo_exit_abort(["bash", "-euo", "pipefail", "-c", bash], cwd=tmp, env=env)
+            else:
+                r = forks.run(["-c", code], cwd=tmp, env=env, timeout=600)
+            done.append((code, r, time.time() - t0))
+            if r.returncode != 0:
+                break
     return done
 
 
