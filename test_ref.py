@@ -190,11 +190,13 @@ class ForkServer:
                 msg = json.dumps({"argv": args, "cwd": str(cwd), "env": env}).encode()
                 socket.send_fds(c, [msg], [null.fileno(), out.fileno(), err.fileno()])
                 c.settimeout(timeout)
-                pid = int(c.recv(32) or 0)
+                pid = status = None
                 try:
+                    pid = int(c.recv(32) or 0) or None  # None: it died before it could say
                     status = c.recv(1)
                 except TimeoutError:
-                    os.kill(pid, signal.SIGKILL)
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)
                     raise subprocess.TimeoutExpired(args, timeout) from None
             out.seek(0), err.seek(0)
             return subprocess.CompletedProcess(args, status[0] if status else None, out.read(), err.read())
@@ -3757,7 +3759,8 @@ def _readme_job(tmp: Path, forks: ForkServer) -> list[tuple[str, subprocess.Comp
             t0 = time.time()
             if lang == "bash":
                 bash = re.sub(r"\bpython (scalerlt_ref\.py|-c)\b", rf"python {client} \1", shrink(code, gsm8k))
-                r = run_once_more_on_gloo_exit_abort(["bash", "-euo", "pipefail", "-c", bash], cwd=tmp, env=env)
+                cmd = ["bash", "-euo", "pipefail", "-c", bash]
+                r = run_once_more_on_gloo_exit_abort(cmd, cwd=tmp, env=env, timeout=600)
             else:
                 r = forks.run(["-c", code], cwd=tmp, env=env, timeout=600)
             done.append((code, r, time.time() - t0))
