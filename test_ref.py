@@ -118,10 +118,11 @@ def slow_jobs(request, tmp_path_factory):
 # AdamW loads) and matplotlib once; a fresh interpreter spends ~2.4 s on them, most of a short run's time.
 # A run hands the server its arguments, folder, environment and standard streams; the server forks, and
 # the fork runs `python ARGS` as the interpreter would (a script as `__main__`, or `-c CODE`): its own
-# process, as written, minus the imports. torchrun starts fresh interpreters as usual.
+# process, as written, minus the imports (and what Python reads from the environment at start-up, and
+# its exit handlers: the fork ends with os._exit). torchrun starts fresh interpreters as usual.
 _FORK_SERVER = """
 import os; os.nice(10)  # like the job threads: the in-process tests go first
-import json, runpy, signal, socket, sys, traceback
+import json, runpy, signal, socket, sys, traceback, types
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 import numpy, torch, torch._dynamo
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the forks reap themselves
@@ -136,15 +137,15 @@ while True:
         conn.close(), [os.close(fd) for fd in fds]
         continue
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    server.close(), [(os.dup2(fd, i), os.close(fd)) for i, fd in enumerate(fds)]
     m, code = json.loads(msg), 1
-    [os.dup2(fd, i) for i, fd in enumerate(fds)]
-    os.chdir(m["cwd"]), os.environ.clear(), os.environ.update(m["env"])
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     conn.send(str(os.getpid()).encode())
     try:
+        os.chdir(m["cwd"]), os.environ.clear(), os.environ.update(m["env"])
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
         if m["argv"][0] == "-c":
-            sys.argv = ["-c", *m["argv"][2:]]
-            exec(compile(m["argv"][1], "<string>", "exec"), {"__name__": "__main__"})
+            sys.argv, sys.modules["__main__"] = ["-c", *m["argv"][2:]], types.ModuleType("__main__")
+            exec(compile(m["argv"][1], "<string>", "exec"), sys.modules["__main__"].__dict__)
         else:
             sys.argv, sys.path[0] = m["argv"], os.path.dirname(os.path.abspath(m["argv"][0]))
             runpy.run_path(sys.argv[0], run_name="__main__")
@@ -183,6 +184,7 @@ class ForkServer:
     def run(self, args: list, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
         """Its returncode is None if the fork died without exiting (killed)."""
         self.wait()
+        assert self.server.poll() is None, f"the fork server died ({self.server.returncode})"
         args = [str(a) for a in args]
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, open(os.devnull) as null:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
@@ -2019,7 +2021,7 @@ def test_builtin_problems_are_seeded_and_scored():
 
 # `scalerlt_ref.py train` with the global torch RNG seeded (a fresh process's is seeded at random, so two
 # runs' saved RNG states could not be compared otherwise). With a flag path, once step 4's update is done in
-# memory (its checkpoint not yet written) it signals and waits to be killed: the kill lands between two
+# memory (its checkpoint not yet written) it writes the flag and SIGKILLs itself: the kill lands between two
 # checkpoints, deterministically.
 _TRAIN = """
 import os, pathlib, signal, sys
