@@ -2510,13 +2510,14 @@ def test_greedy_records_must_be_the_reference_argmax(tmp_path, capsys):
 @pytest.mark.parametrize(
     "drawn,declared,mode",
     [
-        ({"temperature": 0.8}, {"temperature": 1.0}, "processed"),
+        ({"temperature": 0.8}, {"temperature": 1.0}, "processed"),  # too cold
+        ({"temperature": 1.2}, {"temperature": 1.0}, "processed"),  # too hot: the KS test's other side
         ({"top_p": 0.9}, {"top_p": 1.0}, "raw"),  # top-p draws recorded without their top-p
         ({}, {"top_p": 0.9}, "raw"),  # and the reverse
     ],
 )
 def test_sampler_test_flags_a_sampling_mismatch(tmp_path, capsys, drawn, declared, mode):
-    """An engine that samples at 0.8 but reports temperature 1.0, with log-probs correct for 1.0, passes
+    """An engine that samples at 0.8 (or 1.2) but reports temperature 1.0, with log-probs correct for 1.0, passes
     every log-prob and exit check; so does one that applies a top-p it does not declare (or declares one it
     did not apply), reporting raw log-probs (which no top-p changes). The sampler test, which scores each
     draw under the distribution declared, catches each at 2,000 tokens (p < 1e-3: exit 1); the same tokens
