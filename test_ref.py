@@ -209,7 +209,8 @@ class ForkServer:
         assert self.ready, "the fork server did not start"
 
     def client(self, path: Path) -> Path:
-        """Writes the client for shell commands at `path` (they run it with FORK_SERVER set to `self.path`)."""
+        """Writes the client for shell commands at `path` (they run it with FORK_SERVER set to `self.path`), once
+        the server is ready: a client connects at once."""
         self.wait()
         path.write_text(_FORK_CLIENT)
         return path
