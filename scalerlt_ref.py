@@ -40,6 +40,7 @@ Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -2587,34 +2588,38 @@ class VerifyOptions:
     atol: float = 1e-3  # the largest accepted |recorded - reference| log-prob (a float32 engine's)
     flip_margin: float = 1e-3  # the largest |CDF - threshold| of a near-threshold flip (a float32 engine's)
     sampler_alpha: float = 1e-3  # the sampler test fails below this p-value
+    calibrate: bool = False  # rerun the reference in the engine's dtype and judge by it (`calibrate`)
+    alpha: float = 1e-3  # the calibrated rank test fails below this p-value
 
     @classmethod
     def for_engine(
-        cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, **kw
+        cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, calibrate="auto", **kw
     ) -> VerifyOptions:
         """Options for an engine that computed in `engine_dtype` (a key of ENGINE_TOLERANCES, a torch dtype's
-        name): its tolerances (unless atol or flip_margin is given) and the exit rule evaluated in its dtype."""
+        name): its tolerances (unless atol or flip_margin is given), the exit rule evaluated in its dtype, and
+        calibrate "auto" (below float32), "on" or "off"."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
         atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
-        return cls(atol=atol, flip_margin=flip_margin, rule_dtype=getattr(torch, engine_dtype), **kw)
+        calibrate = calibrate == "on" or (calibrate == "auto" and getattr(torch, engine_dtype).itemsize < 4)
+        return cls(
+            atol=atol, flip_margin=flip_margin, rule_dtype=getattr(torch, engine_dtype), calibrate=calibrate, **kw
+        )
 
 
-def records_rollout(
-    recs: list[dict], kv: str = "exact", exit_rule: str = "survival", exit_policy: str = "threshold", min_loops: int = 1
-) -> Rollout:
-    """Records (of one sampling, `_sampling`) as one Rollout to teacher-force: B = len(recs), N the longest
-    completion; logprobs and exit_logprobs (B, N) float64 (0 where a record has none) and mask (B, N) bool,
-    padded; no schedule. exit_policy "sampled" makes the teacher-forced pass compute exit log-probs."""
+def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> Rollout:
+    """Records (of one sampling, `_sampling`) as one Rollout to teacher-force under opts' kv, exit rule and
+    min_loops: B = len(recs), N the longest completion; logprobs and exit_logprobs (B, N) float64 (0 where a
+    record has none) and mask (B, N) bool, padded; no schedule. Records of sampled exits (with "exit_logprobs")
+    make the teacher-forced pass compute exit log-probs."""
     n = [len(r["completion_ids"]) for r in recs]
 
     def padded(key: str) -> torch.Tensor:  # (B, N) float64
         rows = [torch.tensor(r.get(key, [0.0] * k), dtype=torch.float64) for r, k in zip(recs, n)]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
-    t, k, p = _sampling(recs[0])[:3]
-    policy = Policy(
-        temperature=t, top_k=k, top_p=p, kv=kv, exit_rule=exit_rule, exit_policy=exit_policy, min_loops=min_loops
-    )
+    (t, k, p), sampled = _sampling(recs[0])[:3], any("exit_logprobs" in rec for rec in recs)
+    policy = Policy(temperature=t, top_k=k, top_p=p, kv=opts.kv, exit_rule=opts.exit_rule, min_loops=opts.min_loops)
+    policy = dataclasses.replace(policy, exit_policy="sampled") if sampled else policy
     prompts, completions, exits = ([r[key] for r in recs] for key in ("prompt_ids", "completion_ids", "exit_loops"))
     mask = torch.arange(max(n))[None, :] < torch.tensor(n)[:, None]  # (B, N)
     lp, exit_lp = padded("logprobs"), padded("exit_logprobs")
@@ -2640,7 +2645,7 @@ def _check_reference_finite(
         return
     k = bad[0]
     if rec["temperature"] not in (0.0, 1.0):
-        ro = records_rollout([dict(rec, temperature=1.0)], kv)
+        ro = records_rollout([dict(rec, temperature=1.0)], VerifyOptions(kv=kv))
         with torch.no_grad():
             at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0][0]
         if bool(torch.isfinite(at_one).all()):
@@ -2695,6 +2700,18 @@ def ks_uniform(values) -> tuple[float, float]:
     return d, kolmogorov_sf((math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d)
 
 
+def rank_test(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """One-sided Mann-Whitney U test that x (n1,) tends to be larger than y (n2,): (z, p-value), U's normal
+    approximation with the correction for ties and for continuity (within 0.02 of the exact p at 8 a side)."""
+    n1, n2, n = x.numel(), y.numel(), x.numel() + y.numel()
+    _, inverse, counts = torch.cat([x, y]).double().unique(return_inverse=True, return_counts=True)
+    ranks = (counts.cumsum(0) - (counts - 1) / 2)[inverse]  # (n,) 1-based, ties at their average rank
+    u = float(ranks[:n1].sum()) - n1 * (n1 + 1) / 2  # the pairs (x_i, y_j) with x_i > y_j, ties counted 1/2
+    var = n1 * n2 / 12 * (n + 1 - float((counts.double() ** 3 - counts).sum()) / (n * (n - 1)))
+    z = (u - n1 * n2 / 2 - 0.5) / math.sqrt(var) if var > 0 else 0.0
+    return z, 0.5 * math.erfc(z / math.sqrt(2))
+
+
 @dataclass
 class Failures:
     """One record's failing tokens by kind, at a tolerance (`VerifyResult.failures`)."""
@@ -2723,6 +2740,7 @@ class VerifyResult:
     exit_logprobs: torch.Tensor | None = None  # the reference's log p(exit = e) (sampled exits), else None
     exit_delta: torch.Tensor | None = None  # recorded - reference exit log-probs (sampled exits), else None
     after_stop: list[int] = field(default_factory=list)  # tokens after a stop id (the record's "stop_ids")
+    gates: torch.Tensor | None = None  # (n, R) the reference's gate logit of each loop, model dtype (NaN: not run)
 
     @property
     def diff(self) -> torch.Tensor:
@@ -2733,10 +2751,10 @@ class VerifyResult:
         return None if self.exit_delta is None else self.exit_delta.abs()
 
     @classmethod
-    def of(cls, rec: dict, lp, exit_lp, policy, violations=(), rule_exits=()) -> VerifyResult:
+    def of(cls, rec: dict, lp, exit_lp, policy, violations=(), rule_exits=(), gates=None) -> VerifyResult:
         """The result of record `rec` from the reference's figures per token, (n,) float64 tensors: log-probs
         lp, exit log-probs exit_lp (read for sampled exits only), and policy, the PIT (temperature > 0) or
-        the greedy gap (temperature 0); the violations and the rule's exits as `_verify_batch` found them."""
+        the greedy gap (temperature 0); the violations, the rule's exits and the gates as `_verify_batch` found them."""
         sampled, sampled_exits = rec["temperature"] > 0, "exit_logprobs" in rec
         return cls(
             logprobs=lp,
@@ -2748,6 +2766,7 @@ class VerifyResult:
             exit_logprobs=exit_lp if sampled_exits else None,
             exit_delta=torch.tensor(rec["exit_logprobs"], dtype=torch.float64) - exit_lp if sampled_exits else None,
             after_stop=[k for k, x in enumerate(rec["completion_ids"][:-1], 1) if x in rec.get("stop_ids", ())],
+            gates=gates,
         )
 
     def failures(self, atol: float, flip_margin: float) -> Failures:
@@ -2766,10 +2785,10 @@ class VerifyResult:
         )
 
 
-def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bool) -> tuple[torch.Tensor, ...]:
+def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, raw: bool) -> tuple[torch.Tensor, ...]:
     """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 (`raw`: of the plain logits);
     gates (B, N, R) the gate logit of every loop run (NaN: not run); ran (B, N) the loops run (R, but last_exited);
-    policy (B, N) float64: the PIT with `uniforms` (temperature > 0) or the greedy gap."""
+    policy (B, N) float64: the PIT with `uniforms` (temperature > 0) or the greedy gap (NaN when uniforms is None)."""
     R = model.config.total_ut_steps
     (B, N), tokens = ro.mask.shape, ro.tokens()  # tokens (B, T)
     first = torch.tensor([len(p) - 1 for p in ro.prompts])  # (B,) the position that produces token 0
@@ -2804,7 +2823,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor, raw: bo
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        lp, exit_lp = execute_schedule(model, ro, teacher_forced_schedule(ro, R), "fast", collect_gates, score_policy)
+        calls, scored = teacher_forced_schedule(ro, R), None if uniforms is None else score_policy
+        lp, exit_lp = execute_schedule(model, ro, calls, "fast", collect_gates, scored)
     return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
@@ -2830,8 +2850,7 @@ def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exi
 def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
     """`verify_records` for records of one sampling (`_sampling`), in one teacher-forced pass of all of them."""
     R = model.config.total_ut_steps
-    any_sampled = any("exit_logprobs" in rec for rec in recs)  # records of the sampled exit policy
-    ro = records_rollout(recs, opts.kv, opts.exit_rule, "sampled" if any_sampled else "threshold", opts.min_loops)
+    ro = records_rollout(recs, opts)
     # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), so that
     # the results do not depend on the batch.
     uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
@@ -2858,7 +2877,7 @@ def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: V
             raise
         exits = [None if e < 0 else e for e in rule_exits[b, :n].tolist()]
         violations = _violations(rec, rule_gates[b, :n], ran[b, :n], exits, opts)
-        results.append(VerifyResult.of(rec, lp[b, :n], exit_lp[b, :n], policy[b, :n], violations, exits))
+        results.append(VerifyResult.of(rec, lp[b, :n], exit_lp[b, :n], policy[b, :n], violations, exits, gates[b, :n]))
     return results
 
 
@@ -2877,27 +2896,108 @@ def verify_records(
     a ValueError or NonFiniteError carries the failing record's index in `recs` as `.index`."""
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
-    results: dict[int, VerifyResult] = {}
-    groups: dict[tuple, list[int]] = {}  # `_sampling` -> record indices (one sampling per pass)
-    empty = torch.zeros(0, dtype=torch.float64)
+    empty = torch.zeros(0, dtype=torch.float64)  # nothing was generated: nothing to recompute
+    results = {i: VerifyResult.of(rec, empty, empty, empty) for i, rec in enumerate(recs) if not rec["completion_ids"]}
+    for chunk in _batches(recs, opts.batch_size):
+        batch = _verify_batch(model, [recs[i] for i in chunk], [first_index + i for i in chunk], opts)
+        results.update(zip(chunk, batch))
+        if on_batch is not None:
+            on_batch(len(results))  # the records done
+    return [results[i] for i in range(len(recs))]
+
+
+def _batches(recs: list[dict], size: int) -> list[list[int]]:
+    """The indices of the records with a completion in passes of at most `size`, one sampling (`_sampling`) each."""
+    groups: dict[tuple, list[int]] = {}
     for i, rec in enumerate(recs):
         if rec["completion_ids"]:
             groups.setdefault(_sampling(rec), []).append(i)
-        else:  # nothing was generated: nothing to recompute
-            results[i] = VerifyResult.of(rec, empty, empty, empty)
-    for idx in groups.values():
-        for c in range(0, len(idx), opts.batch_size):
-            chunk = idx[c : c + opts.batch_size]
-            batch = _verify_batch(model, [recs[i] for i in chunk], [first_index + i for i in chunk], opts)
-            results.update(zip(chunk, batch))
-            if on_batch is not None:
-                on_batch(len(results))  # the records done
-    return [results[i] for i in range(len(recs))]
+    return [idx[c : c + size] for idx in groups.values() for c in range(0, len(idx), size)]
 
 
 def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOptions(), index: int = 0) -> VerifyResult:
     """`verify_records` for one record (`index`: its place in its file, which seeds its sampler test)."""
     return verify_records(model, [rec], opts, first_index=index)[0]
+
+
+# Self-calibration (README, "Checking a bfloat16 engine"): a correct engine in a low-precision dtype is off by its
+# rounding, and how far depends on the model and the tokens far more than on the engine. So the reference reruns
+# the records in the engine's dtype, measures its own rounding against itself in float64, and judges by that.
+CALIBRATION_FACTOR = 4.0  # the calibrated atol: this many times the largest log-prob difference measured
+FLIP_FACTOR = 2.0  # the calibrated flip margin: this many times the largest exit-CDF difference measured
+NOISE_ROOM = 1.5  # the distribution tests: a correct engine may err up to this many times as much as the calibration
+
+
+@dataclass
+class Calibration:
+    """The reference in the engine's dtype against the reference, on the records being checked (`calibrate`)."""
+
+    dtype: torch.dtype
+    layouts: list[int]  # sequences per teacher-forced pass, one entry per layout
+    diffs: list[torch.Tensor]  # per layout (all tokens,) float64 |calibration - reference| log-prob, in file order
+    max_exit_diff: float  # the largest |calibration - reference| exit log-prob (sampled exits; else 0)
+    max_cdf_diff: float  # the largest |calibration - reference| exit CDF, before loop R (rule's dtype, `_violations`)
+    flips: int  # its own exits other than the rule's on the reference's gates (threshold records; most of the layouts)
+
+    def options(self, opts: VerifyOptions, atol: float | None = None, flip_margin: float | None = None):
+        """opts with the calibrated atol and flip margin (unless given): CALIBRATION_FACTOR times the largest
+        log-prob or exit log-prob difference, FLIP_FACTOR times the largest exit-CDF difference (a flip's margin
+        is at most its CDF's error); each at least that times the dtype's epsilon (a CDF moves in steps of it)."""
+        eps, diffs = torch.finfo(self.dtype).eps, [float(d.max()) for d in self.diffs if d.numel()]
+        atol = CALIBRATION_FACTOR * max([eps, self.max_exit_diff, *diffs]) if atol is None else atol
+        margin = FLIP_FACTOR * max(eps, self.max_cdf_diff) if flip_margin is None else flip_margin
+        return dataclasses.replace(opts, atol=atol, flip_margin=margin)
+
+    def rank_tests(self, diff: torch.Tensor, exits: torch.Tensor) -> dict[str, dict]:
+        """The engine's |delta| (all tokens,) against NOISE_ROOM times each layout's (`rank_test`), over all tokens
+        and per exit loop (exits (all tokens,)) with 10 tokens or more: the largest p of the layouts (each must find
+        the engine's larger) times the number of tests (Bonferroni: the family's false alarms stay within alpha)."""
+        groups = {"all": exits > 0} | {str(r): exits == r for r in exits.unique().tolist()}
+        tests = {}
+        for name, sel in groups.items():
+            if int(sel.sum()) >= 10:
+                tests[name] = max((rank_test(diff[sel], NOISE_ROOM * d[sel]) for d in self.diffs), key=lambda zp: zp[1])
+        return {name: {"statistic": z, "p_value": min(1.0, p * len(tests))} for name, (z, p) in tests.items()}
+
+    def flip_test(self, engine_flips: int) -> float:
+        """The p-value of an engine's exits other than the rule's (flips and violations) being no more than
+        NOISE_ROOM times as frequent as the calibration's: the two counts' split given their sum, one-sided."""
+        n, q = engine_flips + self.flips, torch.tensor(NOISE_ROOM / (1 + NOISE_ROOM), dtype=torch.float64)
+        tail = torch.arange(engine_flips, n + 1, dtype=torch.float64)  # engine shares at least its own
+        return min(1.0, float(torch.distributions.Binomial(n, probs=q).log_prob(tail).exp().sum()))
+
+
+def calibrate(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions, dtype: torch.dtype):
+    """The `Calibration` of records `recs`, whose reference results are `results` (`verify_records`): the model
+    cast to `dtype` (of float64 weights read from a bfloat16 checkpoint: that checkpoint, exactly) teacher-forces
+    them at their recorded exits in two layouts, opts.batch_size and half as many sequences per pass."""
+    cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
+    layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
+    tau = model.config.early_exit_threshold if opts.threshold is None else opts.threshold
+    cdf = _survival_cdf if opts.exit_rule == "survival" else _hf_cdf
+    diffs, exit_diff, cdf_diff, flips = [], 0.0, 0.0, [0] * len(layouts)
+    for layout, size in enumerate(layouts):
+        diff = [torch.zeros(0, dtype=torch.float64)] * len(recs)  # per record (n,)
+        for chunk in _batches(recs, size):
+            ro = records_rollout([recs[i] for i in chunk], opts)
+            lp, exit_lp, gates, _, _ = _teacher_force(cal, ro, None, _sampling(recs[chunk[0]])[3] == "raw")
+            for b, i in enumerate(chunk):
+                n, res = len(recs[i]["completion_ids"]), results[i]
+                diff[i] = (lp[b, :n] - res.logprobs).abs()
+                if res.exit_logprobs is not None:  # sampled exits: draws, no rule to flip
+                    exit_diff = max(exit_diff, float((exit_lp[b, :n] - res.exit_logprobs).abs().max()))
+                    continue
+                ref_g = res.gates.to(opts.rule_dtype or dtype)  # (n, R) the gates `_violations` reads
+                moved = (cdf(gates[b, :n], R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (n, R-1)
+                cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])  # NaN: a loop not run
+                rows = (~gates[b, :n].isnan().any(1)).nonzero()[:, 0].tolist()  # tokens that ran every loop
+                if tau is not None and rows:
+                    mine, rule = (
+                        exit_loops(g[rows], R, tau, opts.min_loops, opts.exit_rule) for g in (gates[b], ref_g)
+                    )
+                    flips[layout] += sum(e != rule_e for e, rule_e in zip(mine, rule))
+        diffs.append(torch.cat(diff))
+    return Calibration(dtype, layouts, diffs, exit_diff, cdf_diff, max(flips))
 
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> float:
@@ -2917,27 +3017,34 @@ def _first_mismatch(records: list[dict], results: list[VerifyResult], fails: lis
     return None
 
 
-def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor) -> dict:
-    """The summary's statistics of recorded - reference log-probs over all tokens, delta (all tokens,)."""
-    diff, n = delta.abs(), delta.numel()
-    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
-    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
+def _abs_quantiles(diff: torch.Tensor) -> dict | None:
+    """p50, p90, p99 and the max of |differences| (all tokens,); None without tokens."""
+    if not diff.numel():
+        return None
     ranked = diff.sort().values
-    quantiles = {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)} if n else {}
+    return {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)} | {"max": float(ranked[-1])}
+
+
+def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor, exits) -> dict:
+    """The summary's statistics of recorded - reference log-probs over all tokens: delta, exits (all tokens,)."""
+    diff, n = delta.abs(), delta.numel()
+    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
     ratio = delta.exp()
     return {  # None or {} without tokens
         "exit_agreement": agree / n if n else None,
-        "abs_diff_quantiles": quantiles | {"max": float(ranked[-1])} if n else None,
+        "abs_diff_quantiles": _abs_quantiles(diff),
         "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
         "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
     }
 
 
-def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions) -> dict:
+def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, cal=None) -> dict:
     """The verdict and statistics of `verify`, its JSON summary (README, "Checking a bfloat16 engine", says what
-    each number means). "passed": no failure of any kind (`VerifyResult.failures`) and a sampler test above alpha."""
+    each number means), judged at opts' tolerances (`Calibration.options`) and, with a `Calibration` `cal`, by its
+    rank tests too. "passed": no check in "failed_checks" (`VerifyResult.failures`, the sampler and rank tests)."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
     pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])  # (sampled tokens,)
     ks, p_value = ks_uniform(pit) if pit.numel() else (None, None)
     exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
@@ -2952,7 +3059,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
         "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
         "first_violation": first_violation,
-        **_diff_statistics(records, results, delta),
+        **_diff_statistics(records, results, delta, exits),
         "sampler_tokens": int(pit.numel()),
         "sampler_ks_statistic": ks,
         "sampler_p_value": p_value,
@@ -2966,10 +3073,25 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
         "atol": opts.atol,
         "flip_margin": opts.flip_margin,
         "sampler_alpha": opts.sampler_alpha,
+        "calibration": None,
     }
-    counts = ("mismatched_tokens", "mismatched_exit_logprobs", "exit_rule_violations", "greedy_mismatches")
-    failed = any(s[key] for key in (*counts, "tokens_after_stop"))
-    s["passed"] = not failed and not (p_value is not None and p_value < opts.sampler_alpha)
+    failing = {"logprobs": s["mismatched_tokens"], "exit_logprobs": s["mismatched_exit_logprobs"]}
+    failing |= {"exit_rule": s["exit_rule_violations"], "greedy": s["greedy_mismatches"]}
+    failing["stop"] = s["tokens_after_stop"]
+    failing["sampler"] = p_value is not None and p_value < opts.sampler_alpha
+    if cal is not None:
+        tests = cal.rank_tests(delta.abs(), exits)
+        rank_p = min([t["p_value"] for t in tests.values()], default=None)
+        c = {"dtype": str(cal.dtype).removeprefix("torch."), "layouts": cal.layouts}
+        c |= {"abs_diff_quantiles": _abs_quantiles(torch.cat(cal.diffs)), "max_abs_exit_diff": cal.max_exit_diff}
+        engine_flips = sum(len(r.violations) for rec, r in zip(records, results) if "exit_logprobs" not in rec)
+        flip_p = cal.flip_test(engine_flips)
+        c |= {"max_abs_cdf_diff": cal.max_cdf_diff, "exit_flips": cal.flips, "engine_exit_flips": engine_flips}
+        c |= {"flip_p_value": flip_p, "rank_tests": tests, "rank_p_value": rank_p, "alpha": opts.alpha}
+        s["calibration"] = c
+        failing |= {"rank_test": rank_p is not None and rank_p < opts.alpha, "flip_test": flip_p < opts.alpha}
+    s["failed_checks"] = [name for name, failed in failing.items() if failed]
+    s["passed"] = not s["failed_checks"]
     return s
 
 
@@ -3003,9 +3125,10 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
         print(f"  ... and more failing sequences (the first {limit} are shown)")
 
 
-def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary: dict, R: int):
-    """|Δ log-prob| per token (log scale) coloured by exit loop, and the sampler test's histogram."""
-    fig, (ax, hx) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary: dict, R: int, cal=None):
+    """|Δ log-prob| per token (log scale) coloured by exit loop, the sampler test's histogram and, with a
+    `Calibration` `cal`, the distributions of |Δ| of the engine and of the calibration (and its NOISE_ROOM times)."""
+    fig, (ax, hx, *cx) = plt.subplots(1, 2 if cal is None else 3, figsize=(11 if cal is None else 16, 4))
     diff = torch.cat([r.diff for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
     x, cmap = torch.arange(diff.numel()), plt.get_cmap("viridis", max(R, 2))
@@ -3023,6 +3146,14 @@ def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary:
     else:
         hx.text(0.5, 0.5, "no sampled (temperature > 0) records", ha="center", va="center")
     hx.set_xlabel("randomized PIT under the reference policy")
+    if cal is not None:
+        c, cal_diff = cx[0], cal.diffs[0].clamp_min(1e-17)
+        p, dt = summary["calibration"]["rank_p_value"], summary["calibration"]["dtype"]
+        for d, label in ((diff, "engine"), (cal_diff, "calibration"), (NOISE_ROOM * cal_diff, f"x {NOISE_ROOM:g}")):
+            c.plot(d.sort().values, torch.linspace(0, 1, d.numel()), label=label)
+        c.set(xscale="log", xlabel="|recorded - reference| log-prob", ylabel="share of tokens at or below")
+        c.set_title(f"the reference in {dt}: rank test p = {'-' if p is None else f'{p:.3g}'}", fontsize=9)
+        c.legend(fontsize=7)
     return fig
 
 
@@ -3040,10 +3171,10 @@ def cmd_verify(args) -> int:
     opts = VerifyOptions.for_engine(
         args.engine_dtype, threshold=args.exit_threshold, **flag_fields(VerifyOptions, args)
     )
+    tolerances = "calibrated" if opts.calibrate else f"atol={opts.atol:g}, flip margin={opts.flip_margin:g}"
     print(
         f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype} reference; engine {args.engine_dtype}: atol={opts.atol:g}, flip margin="
-        f"{opts.flip_margin:g}; exit rule {args.exit_rule}, kv={args.kv})"
+        f"({args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv})"
     )
     t0 = shown = time.time()
 
@@ -3055,11 +3186,18 @@ def cmd_verify(args) -> int:
 
     try:
         results = verify_records(model, records, opts, on_batch=progress)
+        cal = calibrate(model, records, results, opts, getattr(torch, args.engine_dtype)) if opts.calibrate else None
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
-    seconds, summary = time.time() - t0, verify_summary(records, results, opts)
+    if cal is not None:
+        opts = cal.options(opts, args.atol, args.flip_margin)
+        print(
+            f"  calibrated on the reference in {args.engine_dtype} ({'/'.join(map(str, cal.layouts))} sequences a "
+            f"pass): atol={opts.atol:.3g}, flip margin={opts.flip_margin:.3g}, rank and flip tests at {opts.alpha:g}"
+        )
+    seconds, summary = time.time() - t0, verify_summary(records, results, opts, cal)
     summary.update(engine_dtype=args.engine_dtype, exit_rule=args.exit_rule, seconds=round(seconds, 3))
     summary.update(sequences_per_second=round(len(records) / max(seconds, 1e-9), 1))
     _print_failures(records, results, opts)
@@ -3070,9 +3208,16 @@ def cmd_verify(args) -> int:
             f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
             f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
         )
+    if {"rank_test", "flip_test"} & set(summary["failed_checks"]):
+        c, g = summary["calibration"], lambda p: "-" if p is None else f"{p:.2e}"
+        print(
+            f"  CALIBRATION: more than the reference's own {args.engine_dtype} rounding explains: |diff| rank test p = "
+            f"{g(c['rank_p_value'])}, exits off the rule {c['engine_exit_flips']} (its {c['exit_flips']}): p = "
+            f"{g(c['flip_p_value'])}"
+        )
     if args.plot:
         save_plot(
-            Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, model.config.total_ut_steps)
+            Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, model.config.total_ut_steps, cal)
         )
     passed = summary.pop("passed")
     print(json.dumps(summary))
@@ -3549,10 +3694,19 @@ class VerifyFlags(ModelFlags):
         "fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) is below this",
         within=(0.0, 1.0),
     )
+    calibrate: str = _flag(
+        "auto",
+        "rerun the reference in --engine-dtype on these records; atol, flip margin, rank and flip tests come from it "
+        "(README: Checking a bfloat16 engine). auto: for an --engine-dtype below float32",
+        choices=("auto", "on", "off"),
+    )
+    alpha: float = _flag(1e-3, "fail when a calibrated rank or flip test's p-value is below this", within=(0.0, 1.0))
     seed: int = _flag(0, "seed of the sampler test's uniforms", within=(0, MAX_SEED))
     batch_size: int = _flag(16, "sequences per teacher-forced pass", within=(1, MAX_COUNT))
     plot: str | None = _flag(
-        None, "write a PNG: |log-prob difference| per token, and the sampler test's histogram", out="file"
+        None,
+        "write a PNG: |log-prob difference| per token, the sampler test's histogram, (calibrated) both |diff|'s spread",
+        out="file",
     )
 
 

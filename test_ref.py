@@ -30,6 +30,7 @@ Run: `python -m pytest -q test_ref.py` (CI profile: derandomized, no example dat
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -2640,6 +2641,202 @@ def test_chi2_sf_matches_the_tables():
     """Critical values from the chi-square tables (upper 1e-3 and 5e-2 points, k = 1..4)."""
     for k, x999, x95 in [(1, 10.828, 3.841), (2, 13.816, 5.991), (3, 16.266, 7.815), (4, 18.467, 9.488)]:
         assert abs(_chi2_sf(x999, k) - 1e-3) < 2e-6 and abs(_chi2_sf(x95, k) - 0.05) < 2e-5, k
+
+
+def test_rank_test_matches_its_exact_distribution():
+    """`rank_test`'s p-value (the normal approximation, ties and continuity corrected) against the exact one-sided
+    p-value, the share of all C(16, 8) splits of the pooled values whose U is at least the observed one, for
+    samples of 8 with ties; and the test is one-sided: x larger than y gives a small p, the swap a large one."""
+    from itertools import combinations
+
+    n, rng, worst = 8, np.random.default_rng(0), 0.0
+    first = torch.tensor(list(combinations(range(2 * n), n)))  # (12870, 8) every choice of the "x" half
+    rest = torch.stack([torch.tensor([i for i in range(2 * n) if i not in c]) for c in first.tolist()])  # (12870, 8)
+
+    def u(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # (..., 8) each -> (...) pairs a_i > b_j, ties 1/2
+        return (a[..., :, None] > b[..., None, :]).sum((-2, -1)) + 0.5 * (a[..., :, None] == b[..., None, :]).sum(
+            (-2, -1)
+        )
+
+    for _ in range(30):
+        x = torch.tensor(rng.integers(0, 10, n) + rng.integers(0, 3), dtype=torch.float64)  # shifted by 0, 1 or 2
+        y = torch.tensor(rng.integers(0, 10, n), dtype=torch.float64)
+        pooled = torch.cat([x, y])
+        exact = float((u(pooled[first], pooled[rest]) >= u(x, y) - 1e-9).double().mean())
+        worst = max(worst, abs(S.rank_test(x, y)[1] - exact))
+    assert worst <= 0.02, f"largest |approximate - exact| p-value: {worst}"
+    a, b = torch.arange(30.0) + 10, torch.arange(30.0)
+    (z, p), (z_swap, p_swap) = S.rank_test(a, b), S.rank_test(b, a)
+    assert z > 3 and p < 1e-3 and z_swap < -3 and p_swap > 0.999, (z, p, z_swap, p_swap)
+
+
+def test_flip_test_is_the_binomial_tail():
+    """`Calibration.flip_test`: P(X >= k), X ~ Binomial(k + c, 1.5 / 2.5) for an engine's k exits other than the
+    rule's against the calibration's c, computed by hand; equal counts pass, a late-exit engine's do not."""
+    for k, c in [(0, 0), (1, 0), (3, 3), (12, 2), (73, 1), (40, 60)]:
+        cal = S.Calibration(torch.bfloat16, [16, 8], [], 0.0, 0.0, c)
+        q = S.NOISE_ROOM / (1 + S.NOISE_ROOM)
+        exact = sum(math.comb(k + c, i) * q**i * (1 - q) ** (k + c - i) for i in range(k, k + c + 1))
+        assert abs(cal.flip_test(k) - exact) <= 1e-12 * exact + 1e-15, (k, c, cal.flip_test(k), exact)
+    assert S.Calibration(torch.bfloat16, [16], [], 0.0, 0.0, 5).flip_test(5) > 0.5
+    assert S.Calibration(torch.bfloat16, [16], [], 0.0, 0.0, 1).flip_test(73) < 1e-10
+
+
+# Planted bugs in a bfloat16 engine, each a modified copy of a piece of the reference's forward, and the models they
+# are checked on: tiny.json, demo.json and the shape of README's table (random weights, init seed 0 as `verify
+# --config` builds them). `_bf16_oracle_job` runs every case in a fork, the tests below check what it found.
+TABLE_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4)
+TABLE_SHAPE |= dict(num_key_value_heads=2, total_ut_steps=4, early_exit_threshold=0.6, initializer_range=0.1)
+BF16_MODELS = {"tiny": TINY_JSON, "demo": str(HERE / "tiny_configs" / "demo.json"), "table": "table.json"}
+PLANTED_BUGS = ("rope_theta_doubled", "no_norm_between_loops", "exits_one_loop_late", "kv_of_the_previous_loop", "t0.9")
+CORRECT_ENGINES = ("reference", "rope_in_float32")  # another correct arithmetic: RoPE applied in float32, then rounded
+# The check that catches each bug (README, "Self-calibration"), and the prompts x new tokens it needs: RoPE's error
+# grows with the position, and demo.json's small random weights barely use positions before ~20.
+CAUGHT_BY = {"rope_theta_doubled": "rank_test", "no_norm_between_loops": "rank_test", "t0.9": "rank_test"}
+CAUGHT_BY |= {"exits_one_loop_late": "flip_test", "kv_of_the_previous_loop": "logprobs"}
+
+
+class _NoNormBetweenLoops(S.LoopedLM):
+    """Planted bug: the final norm feeds the readout and the gate but not the next loop."""
+
+    def loop(self, x, seq, pos, k, v, numerics="fast"):  # `LoopedLM.loop` without its last line
+        cos, sin = self.rope()
+        for layer, k_cache, v_cache in zip(self.model.layers, k, v):
+            x = S.by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
+        return x  # BUG: the next loop starts from the un-normed state
+
+    def gate_logits(self, h, numerics="fast"):
+        return super().gate_logits(self.model.norm(h), numerics)
+
+    def readout(self, h, numerics="fast"):
+        return super().readout(self.model.norm(h), numerics)
+
+
+def _kv_of_the_previous_loop(model, call, tokens, cache, numerics):
+    """Planted bug: `execute_call` with the last layer reading (and writing) loop r-1's K/V at loop r > 1."""
+    r, k, v = call.loop, cache.k[call.loop - 1], cache.v[call.loop - 1]
+    if r > 1:
+        cache.k[r - 1], cache.v[r - 1] = k[:-1] + cache.k[r - 2][-1:], v[:-1] + cache.v[r - 2][-1:]
+    try:
+        return _EXECUTE_CALL(model, call, tokens, cache, numerics)
+    finally:
+        cache.k[r - 1], cache.v[r - 1] = k, v
+
+
+def _one_loop_late(gate_logits, R, tau, min_loops=1, rule="survival"):
+    """Planted bug: `exit_loops` deciding one loop after the rule (R stays R); the token is read out there."""
+    late = [None if e is None else min(e + 1, R) for e in _EXIT_LOOPS(gate_logits, R, tau, min_loops, rule)]
+    return [e if e is not None and gate_logits.shape[1] >= e else None for e in late]
+
+
+def _rope_in_float32(x, cos, sin):
+    """Not a bug: `apply_rope` in float32, rounded once to the model's dtype (some engines do so)."""
+    return _APPLY_ROPE(x.float(), cos.float(), sin.float()).to(x.dtype)
+
+
+_EXECUTE_CALL, _EXIT_LOOPS, _APPLY_ROPE = S.execute_call, S.exit_loops, S.apply_rope
+
+
+def _engine_records(cfg_path, bug=None, seed=0, mode="deferred", rule="hf", prompts=6, new=16) -> list[dict]:
+    """Records of a bfloat16 engine of the model `verify --config cfg_path --init-seed seed` checks against, with
+    one planted bug (PLANTED_BUGS) or none (CORRECT_ENGINES): fast numerics, temperature 1 (the bug "t0.9": 0.9,
+    recorded as 1)."""
+    cfg = S.load_config(cfg_path)
+    engine = S.LoopedLM(cfg, seed=seed)
+    if bug == "rope_theta_doubled":
+        engine.config = dataclasses.replace(cfg, rope_theta=2 * cfg.rope_theta)
+    if bug == "no_norm_between_loops":
+        engine.__class__ = _NoNormBetweenLoops
+    engine = engine.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    ps = [
+        torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(4, 9, (prompts,), generator=gen)
+    ]
+    S.execute_call = _kv_of_the_previous_loop if bug == "kv_of_the_previous_loop" else _EXECUTE_CALL
+    S.exit_loops = _one_loop_late if bug == "exits_one_loop_late" else _EXIT_LOOPS
+    S.apply_rope = _rope_in_float32 if bug == "rope_in_float32" else _APPLY_ROPE
+    try:
+        policy = S.Policy(mode, exit_rule=rule, temperature=0.9 if bug == "t0.9" else 1.0)
+        ro = S.rollout(engine, ps, policy, max_new_tokens=new, seed=seed)
+    finally:
+        S.execute_call, S.exit_loops, S.apply_rope = _EXECUTE_CALL, _EXIT_LOOPS, _APPLY_ROPE
+    return [r | {"temperature": 1.0} for r in S.rollout_records(ro)]
+
+
+def _verify_main(argv: list[str]) -> tuple[int, dict]:
+    """`S.main(["verify", *argv])` with its output captured: (exit status, the JSON summary)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = S.main(["verify", *argv])
+    return rc, json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def bf16_oracle_runs(tmp: Path, seeds: int) -> dict:
+    """Every planted bug on every model (6 x 16 tokens; demo.json's RoPE bug 32 x 32), and the correct engines'
+    bfloat16 rollouts for `seeds` seeds (init and sampling) on every model, dense and deferred, both exit rules,
+    each through `verify --engine-dtype bfloat16` at its defaults: {case: [exit status, summary]}."""
+    (tmp / "table.json").write_text(json.dumps(TABLE_SHAPE))
+    out = {}
+    for name, cfg in BF16_MODELS.items():
+        cfg = str(tmp / cfg) if name == "table" else cfg
+        for bug in PLANTED_BUGS:
+            size = dict(prompts=32, new=32) if (name, bug) == ("demo", "rope_theta_doubled") else {}
+            recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, bug, **size))
+            out[f"{name}/{bug}"] = _verify_main(["--config", cfg, "--rollouts", str(recs), "--exit-rule", "hf"] + BF16)
+        for engine, seed, mode, rule in itertools.product(CORRECT_ENGINES, range(seeds), S.MODES, S.EXIT_RULES):
+            recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, engine, seed, mode, rule))
+            argv = ["--config", cfg, "--init-seed", str(seed), "--rollouts", str(recs), "--exit-rule", rule, *BF16]
+            out[f"{name}/correct/{engine}/{seed}/{mode}/{rule}"] = _verify_main(argv)
+    return out
+
+
+BF16 = ["--engine-dtype", "bfloat16"]
+FALSE_ALARM_SEEDS = int(os.environ.get("SCALERLT_FALSE_ALARM_SEEDS", "1"))  # the README's figure: 20
+
+
+@slow_job("test_planted_bugs_fail_verify_at_bfloat16_defaults")
+def _bf16_oracle_job(tmp: Path, forks) -> dict:
+    code = "import json, pathlib, sys, torch, test_ref\ntorch.set_num_threads(1)\n"
+    code += "json.dump(test_ref.bf16_oracle_runs(pathlib.Path(sys.argv[1]), int(sys.argv[2])), open(sys.argv[3], 'w'))"
+    r = forks.run(["-c", code, tmp, FALSE_ALARM_SEEDS, tmp / "runs.json"], cwd=HERE, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((tmp / "runs.json").read_text())
+
+
+@slow
+@pytest.mark.parametrize("model", BF16_MODELS)
+def test_planted_bugs_fail_verify_at_bfloat16_defaults(slow_jobs, model):
+    """Each planted bug in a bfloat16 engine fails `verify --engine-dtype bfloat16` at its defaults (exit 1), caught
+    by the check README lists (CAUGHT_BY), on 96 tokens (demo.json's RoPE bug: 1,024)."""
+    runs = slow_jobs["test_planted_bugs_fail_verify_at_bfloat16_defaults"].result()
+    for bug in PLANTED_BUGS:
+        rc, s = runs[f"{model}/{bug}"]
+        assert rc == 1 and CAUGHT_BY[bug] in s["failed_checks"] and s["calibration"]["layouts"] == [16, 8], (bug, s)
+        assert s["tokens"] == (1024 if (model, bug) == ("demo", "rope_theta_doubled") else 96), (bug, s)
+        c, p = s["calibration"], f"sampler p {s['sampler_p_value']:.2g}"
+        p += f", rank p {c['rank_p_value']:.2g}, flip p {c['flip_p_value']:.2g}"
+        p += f" ({c['engine_exit_flips']} vs {c['exit_flips']} exits other than the rule's)"
+        print(f"{model} {bug}: {s['tokens']} tokens, failed {s['failed_checks']}, {p}")
+
+
+@slow
+@pytest.mark.parametrize("model", BF16_MODELS)
+def test_no_false_alarms_on_the_reference_own_bfloat16_rollouts(slow_jobs, model):
+    """Correct bfloat16 engines (the reference's own rollouts, and the same with RoPE in float32) pass `verify
+    --engine-dtype bfloat16` at its defaults, dense and deferred, both exit rules (SCALERLT_FALSE_ALARM_SEEDS
+    seeds, default 1; README: 20)."""
+    runs = slow_jobs["test_planted_bugs_fail_verify_at_bfloat16_defaults"].result()
+    correct = {k: v for k, v in runs.items() if k.startswith(f"{model}/correct/")}
+    assert len(correct) == 8 * FALSE_ALARM_SEEDS, sorted(correct)
+    for case, (rc, s) in correct.items():
+        assert rc == 0 and not s["failed_checks"] and s["calibration"]["rank_p_value"] >= 1e-3, (case, s)
+        assert s["calibration"]["flip_p_value"] >= 1e-3 and s["sampler_p_value"] >= 1e-3, (case, s)
+    lowest = {k: min(s["calibration"][k] for _, s in correct.values()) for k in ("rank_p_value", "flip_p_value")}
+    lowest["sampler_p_value"] = min(s["sampler_p_value"] for _, s in correct.values())
+    print(f"{model}: {len(correct)} runs, lowest p-values {lowest}")
 
 
 def test_verify_plot(tmp_path, capsys):
