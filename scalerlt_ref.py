@@ -2990,10 +2990,11 @@ def calibrate(model: LoopedLM, recs: list[dict], results: list[VerifyResult], op
                 ref_g = res.gates.to(opts.rule_dtype or dtype)  # (n, R) the gates `_violations` reads
                 moved = (cdf(gates[b, :n], R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (n, R-1)
                 cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])  # NaN: a loop not run
-                rows = (~gates[b, :n].isnan().any(1)).nonzero()[:, 0].tolist()  # tokens that ran every loop
-                if tau is not None and rows:
+                ran = (~gates[b, :n].isnan()).sum(1)  # (n,) the loops run: R, but under last_exited
+                for j in sorted(set(ran.tolist())) if tau is not None else ():  # the rule as `_verify_batch` runs it
+                    rows = (ran == j).nonzero()[:, 0]
                     mine, rule = (
-                        exit_loops(g[rows], R, tau, opts.min_loops, opts.exit_rule) for g in (gates[b], ref_g)
+                        exit_loops(g[rows, :j], R, tau, opts.min_loops, opts.exit_rule) for g in (gates[b], ref_g)
                     )
                     flips[layout] += sum(e != rule_e for e, rule_e in zip(mine, rule))
         diffs.append(torch.cat(diff))

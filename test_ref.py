@@ -2737,7 +2737,9 @@ def _rope_in_float32(x, cos, sin):
 _EXECUTE_CALL, _EXIT_LOOPS, _APPLY_ROPE = S.execute_call, S.exit_loops, S.apply_rope
 
 
-def _engine_records(cfg_path, bug=None, seed=0, mode="deferred", rule="hf", prompts=6, new=16) -> list[dict]:
+def _engine_records(
+    cfg_path, bug=None, seed=0, mode="deferred", rule="hf", prompts=6, new=16, kv="exact"
+) -> list[dict]:
     """Records of a bfloat16 engine of the model `verify --config cfg_path --init-seed seed` checks against, with
     one planted bug (PLANTED_BUGS) or none (CORRECT_ENGINES): fast numerics, temperature 1 (the bug "t0.9": 0.9,
     recorded as 1)."""
@@ -2756,7 +2758,7 @@ def _engine_records(cfg_path, bug=None, seed=0, mode="deferred", rule="hf", prom
     S.exit_loops = _one_loop_late if bug == "exits_one_loop_late" else _EXIT_LOOPS
     S.apply_rope = _rope_in_float32 if bug == "rope_in_float32" else _APPLY_ROPE
     try:
-        policy = S.Policy(mode, exit_rule=rule, temperature=0.9 if bug == "t0.9" else 1.0)
+        policy = S.Policy(mode, exit_rule=rule, temperature=0.9 if bug == "t0.9" else 1.0, kv=kv)
         ro = S.rollout(engine, ps, policy, max_new_tokens=new, seed=seed)
     finally:
         S.execute_call, S.exit_loops, S.apply_rope = _EXECUTE_CALL, _EXIT_LOOPS, _APPLY_ROPE
@@ -2790,6 +2792,10 @@ def bf16_oracle_runs(tmp: Path, seeds: int) -> dict:
             recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, engine, seed, mode, rule))
             argv = ["--config", cfg, "--init-seed", str(seed), "--rollouts", str(recs), "--exit-rule", rule, *BF16]
             out[f"{name}/correct/{engine}/{seed}/{mode}/{rule}"] = _verify_main(argv)
+        for rule in S.EXIT_RULES:  # a KV-copy engine, checked as one
+            recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, None, 0, "deferred", rule, kv="last_exited"))
+            argv = ["--config", cfg, "--rollouts", str(recs), "--exit-rule", rule, "--kv", "last_exited", *BF16]
+            out[f"{name}/correct/last_exited/0/deferred/{rule}"] = _verify_main(argv)
     return out
 
 
@@ -2827,10 +2833,10 @@ def test_planted_bugs_fail_verify_at_bfloat16_defaults(slow_jobs, model):
 def test_no_false_alarms_on_the_reference_own_bfloat16_rollouts(slow_jobs, model):
     """Correct bfloat16 engines (the reference's own rollouts, and the same with RoPE in float32) pass `verify
     --engine-dtype bfloat16` at its defaults, dense and deferred, both exit rules (SCALERLT_FALSE_ALARM_SEEDS
-    seeds, default 1; README: 20)."""
+    seeds, default 1; README: 20); and so does a KV-copy engine (`--kv last_exited`, seed 0)."""
     runs = slow_jobs["test_planted_bugs_fail_verify_at_bfloat16_defaults"].result()
     correct = {k: v for k, v in runs.items() if k.startswith(f"{model}/correct/")}
-    assert len(correct) == 8 * FALSE_ALARM_SEEDS, sorted(correct)
+    assert len(correct) == 8 * FALSE_ALARM_SEEDS + 2, sorted(correct)
     for case, (rc, s) in correct.items():
         assert rc == 0 and not s["failed_checks"] and s["calibration"]["rank_p_value"] >= 1e-3, (case, s)
         assert s["calibration"]["flip_p_value"] >= 1e-3 and s["sampler_p_value"] >= 1e-3, (case, s)
