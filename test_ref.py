@@ -2646,7 +2646,8 @@ def test_chi2_sf_matches_the_tables():
 def test_rank_test_matches_its_exact_distribution():
     """`rank_test`'s p-value (the normal approximation, ties and continuity corrected) against the exact one-sided
     p-value, the share of all C(16, 8) splits of the pooled values whose U is at least the observed one, for
-    samples of 8 with ties; and the test is one-sided: x larger than y gives a small p, the swap a large one."""
+    samples of 8 with ties; z by hand where ties change the variance; and the test is one-sided: x larger than y
+    gives a small p, the swap a large one."""
     from itertools import combinations
 
     n, rng, worst = 8, np.random.default_rng(0), 0.0
@@ -2665,6 +2666,10 @@ def test_rank_test_matches_its_exact_distribution():
         exact = float((u(pooled[first], pooled[rest]) >= u(x, y) - 1e-9).double().mean())
         worst = max(worst, abs(S.rank_test(x, y)[1] - exact))
     assert worst <= 0.02, f"largest |approximate - exact| p-value: {worst}"
+    # By hand, with ties: pooled ranks 0 -> 2 (three of them), 1 -> 5.5 (four), 2 -> 8; U = 21 - 10 = 11, E[U] = 8,
+    # Var = 16 / 12 * (9 - (24 + 60) / 56) = 10 (12 without the ties' correction), z = (11 - 8 - 0.5) / sqrt(10).
+    z, p = S.rank_test(torch.tensor([0.0, 1, 1, 2]), torch.tensor([0.0, 0, 1, 1]))
+    assert abs(z - 2.5 / math.sqrt(10)) < 1e-12 and abs(p - 0.5 * math.erfc(z / math.sqrt(2))) < 1e-15, (z, p)
     a, b = torch.arange(30.0) + 10, torch.arange(30.0)
     (z, p), (z_swap, p_swap) = S.rank_test(a, b), S.rank_test(b, a)
     assert z > 3 and p < 1e-3 and z_swap < -3 and p_swap > 0.999, (z, p, z_swap, p_swap)
@@ -2840,6 +2845,12 @@ def test_no_false_alarms_on_the_reference_own_bfloat16_rollouts(slow_jobs, model
     for case, (rc, s) in correct.items():
         assert rc == 0 and not s["failed_checks"] and s["calibration"]["rank_p_value"] >= 1e-3, (case, s)
         assert s["calibration"]["flip_p_value"] >= 1e-3 and s["sampler_p_value"] >= 1e-3, (case, s)
+        if "/reference/" in case:  # the calibration measures the very rounding of the reference's rollouts
+            c = s["calibration"]
+            assert (
+                c["exit_flips"] >= c["engine_exit_flips"] / 2
+                and c["abs_diff_quantiles"]["max"] >= s["max_abs_diff"] / 2
+            ), (case, s)
     lowest = {k: min(s["calibration"][k] for _, s in correct.values()) for k in ("rank_p_value", "flip_p_value")}
     lowest["sampler_p_value"] = min(s["sampler_p_value"] for _, s in correct.values())
     print(f"{model}: {len(correct)} runs, lowest p-values {lowest}")
