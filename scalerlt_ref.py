@@ -2920,9 +2920,8 @@ def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOption
     return verify_records(model, [rec], opts, first_index=index)[0]
 
 
-# Self-calibration (README, "Checking a bfloat16 engine"): a correct engine in a low-precision dtype is off by its
-# rounding, and how far depends on the model and the tokens far more than on the engine. So the reference reruns
-# the records in the engine's dtype, measures its own rounding against itself in float64, and judges by that.
+# Self-calibration (README, "Checking a bfloat16 engine"): a low-precision engine's rounding depends on the model and
+# the tokens more than on the engine, so the reference reruns the records in its dtype and judges by that rounding.
 CALIBRATION_FACTOR = 4.0  # the calibrated atol: this many times the largest log-prob difference measured
 FLIP_FACTOR = 2.0  # the calibrated flip margin: this many times the largest exit-CDF difference measured
 NOISE_ROOM = 1.5  # the distribution tests: a correct engine may err up to this many times as much as the calibration
@@ -2940,18 +2939,16 @@ class Calibration:
     flips: int  # its own exits other than the rule's on the reference's gates (threshold records; most of the layouts)
 
     def options(self, opts: VerifyOptions, atol: float | None = None, flip_margin: float | None = None):
-        """opts with the calibrated atol and flip margin (unless given): CALIBRATION_FACTOR times the largest
-        log-prob or exit log-prob difference, FLIP_FACTOR times the largest exit-CDF difference (a flip's margin
-        is at most its CDF's error); each at least that times the dtype's epsilon (a CDF moves in steps of it)."""
+        """opts with atol (unless given) CALIBRATION_FACTOR times the largest log-prob or exit log-prob difference, and
+        the flip margin FLIP_FACTOR times the largest exit-CDF one; each at least that times the dtype's epsilon."""
         eps, diffs = torch.finfo(self.dtype).eps, [float(d.max()) for d in self.diffs if d.numel()]
         atol = CALIBRATION_FACTOR * max([eps, self.max_exit_diff, *diffs]) if atol is None else atol
         margin = FLIP_FACTOR * max(eps, self.max_cdf_diff) if flip_margin is None else flip_margin
         return dataclasses.replace(opts, atol=atol, flip_margin=margin)
 
     def rank_tests(self, diff: torch.Tensor, exits: torch.Tensor) -> dict[str, dict]:
-        """The engine's |delta| (all tokens,) against NOISE_ROOM times each layout's (`rank_test`), over all tokens
-        and per exit loop (exits (all tokens,)) with 10 tokens or more: the largest p of the layouts (each must find
-        the engine's larger) times the number of tests (Bonferroni: the family's false alarms stay within alpha)."""
+        """`rank_test` of the engine's |delta| against NOISE_ROOM times each layout's, over all tokens and per exit loop
+        (exits) with 10 tokens or more: the layouts' largest p times the number of tests (Bonferroni)."""
         groups = {"all": exits > 0} | {str(r): exits == r for r in exits.unique().tolist()}
         tests = {}
         for name, sel in groups.items():
@@ -2968,8 +2965,7 @@ class Calibration:
 
 
 def calibrate(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions, dtype: torch.dtype):
-    """The `Calibration` of records `recs`, whose reference results are `results` (`verify_records`): the model
-    cast to `dtype` (of float64 weights read from a bfloat16 checkpoint: that checkpoint, exactly) teacher-forces
+    """The `Calibration` of records `recs` against their reference `results`: the model cast to `dtype` teacher-forces
     them at their recorded exits in two layouts, opts.batch_size and half as many sequences per pass."""
     cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
