@@ -1135,8 +1135,7 @@ def _read_text(path: Path, what: str) -> str:
 
 
 def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = None):
-    """json.loads of `text` (line `lineno` of `path`, or the whole file) with limits on nesting depth and
-    number length; every problem is a ValueError naming the file and line."""
+    """json.loads of `text` (line `lineno` of `path`, or the whole file), within the JSON_MAX_* limits."""
     where = f"{path}:{lineno}" if lineno else f"{path}"
     bare = _JSON_STRING.sub(lambda m: '"' + " " * (len(m.group()) - 2) + '"', text)  # same offsets, no strings
     line_of = (lambda i: "") if lineno else (lambda i: f" line {text.count(chr(10), 0, i) + 1}:")
@@ -1156,13 +1155,10 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
 
 
-# The largest model (parameters and the caches of one sequence) a config may ask for, checked with
-# Python integers before anything is allocated: a typo such as a 10**9 vocabulary is refused in
-# milliseconds instead of exhausting memory. Counted at 8 bytes a number (float64, the widest dtype here).
+# The largest model (parameters, one sequence's caches; 8 bytes a number) a config may ask for, checked before
+# anything is allocated: a typo such as a 10**9 vocabulary is refused in milliseconds, not by exhausting memory.
 MAX_MODEL_BYTES = 64 * 2**30
-# NOTE: the KV cache is counted for one sequence of at most this many positions, not for
-# max_position_embeddings: Ouro-1.4B's 65536 positions would need ~100 GB of cache for a length no run
-# here reaches, while its parameters and a 4096-position cache need ~24 GB.
+# NOTE: the KV cache is counted for this many positions at most (Ouro-1.4B's 65536 would need ~100 GB)
 KV_BUDGET_POSITIONS = 4096
 
 
@@ -1201,8 +1197,7 @@ _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may
 
 
 def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements (each key type-checked first,
-    so a list where an object belongs is an error, not a traceback)."""
+    """Refuse HF settings that would change the math this module implements (each key's type checked first)."""
     for key, types in _HF_KEY_TYPES.items():
         if key in d and not isinstance(d[key], types):
             raise ValueError(
@@ -1233,9 +1228,7 @@ def _is_finite_number(v) -> bool:
 
 
 def check_config(kw: dict) -> None:
-    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, with a
-    ValueError naming the key: wrong types, sizes < 1, an odd head size (RoPE rotates pairs), heads that
-    do not form groups, token ids outside the vocabulary, a negative threshold."""
+    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, naming the key."""
     c = {f.name: f.default for f in dataclasses.fields(Config)} | kw
     for f in dataclasses.fields(Config):
         v, kind, null = c[f.name], f.type.split(" |")[0], f.type.endswith("| None")
@@ -1289,8 +1282,7 @@ def _build_config(kw: dict, source: str) -> Config:
 
 
 def config_from_hf(d: dict, source: str = "<dict>") -> Config:
-    """Translate an HF Ouro config.json dict: HF metadata is skipped, missing keys take OuroConfig's
-    defaults, and settings that would change the math this module implements are refused."""
+    """An HF Ouro config.json dict translated: metadata skipped, OuroConfig's defaults filled in, other math refused."""
     _check_hf_semantics(d, source)
     known = {f.name for f in dataclasses.fields(Config)}
     for key in [k for k in d if k not in known and k not in _HF_IGNORED_KEYS]:
@@ -1306,8 +1298,7 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
 
 
 def config_from_dict(d: dict, source: str = "<dict>") -> Config:
-    """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
-    typo would change the model unnoticed). Also `Config.from_dict`."""
+    """A config from an HF Ouro config.json's dict or a tiny config's (unknown keys fail). Also `Config.from_dict`."""
     if not isinstance(d, dict):
         raise ValueError(f"{source}: a config must be a JSON object")
     if "model_type" in d or "architectures" in d:
@@ -1327,8 +1318,7 @@ def config_to_hf(cfg: Config) -> dict:
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    """A config file of either kind: an HF Ouro config.json, or a tiny config (strict: unknown keys fail).
-    Also `Config.from_json`."""
+    """A config file of either kind (see `config_from_dict`). Also `Config.from_json`."""
     path = Path(path)
     return config_from_dict(_load_json_limited(_read_text(path, "config"), path), str(path))
 
@@ -1415,9 +1405,8 @@ class _StoredTensor(NamedTuple):  # where one tensor lies in a safetensors file,
 
 
 def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
-    """The tensors of one safetensors file, from its header alone. safetensors validates the file first
-    (without reading its data), so a corrupt file gets safetensors' message; then the header is read again
-    here for the byte offsets, which safetensors does not expose."""
+    """The tensors of one safetensors file, from its header: validated by safetensors first (a corrupt file gets its
+    message), then read again here for the byte offsets, which safetensors does not expose."""
     st = _optional("safetensors.torch", "reading or writing checkpoints")
     try:
         with st.safe_open(str(file), framework="pt"):
@@ -1438,9 +1427,8 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) for every stored tensor, each file read once in order: straight into `into[name]`
-    when given (no copy at all), else into a new CPU tensor. NOTE: plain reads, not safetensors' memory map: a
-    mapped file's pages count as resident memory until it is closed, which would add a whole shard to the peak."""
+    """Yield (name, tensor) per stored tensor, each file read once in order, into `into[name]` if given, else a new CPU
+    tensor. NOTE: plain reads, not a memory map, whose pages would count as resident memory: a shard more at peak."""
     for file in dict.fromkeys(t.file for t in stored.values()):
         with open(file, "rb") as fh:
             for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
@@ -1458,15 +1446,13 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is (~100x faster on a CPU); only
-    a sum that is not finite (finite values can overflow too) is checked element by element, in slices."""
+    """torch.isfinite(x).all(), fast: the sum first (~100x faster on a CPU), elementwise only if it is not finite."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised.
-    NOTE: built on the meta device, where nn.Embedding's own init still runs through Python reference kernels that
-    import torch's compiler (measured: 3 s and 60 MB); that draw is skipped here."""
+    """A model allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised. NOTE: nn.Embedding's init
+    is skipped: on the meta device it runs reference kernels that import torch's compiler (3 s, 60 MB)."""
     normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
     try:
         with torch.device("meta"):
@@ -1483,18 +1469,16 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index), lean:
-    allocated once in `dtype` on `device`, filled one tensor at a time (straight into its parameter when the
-    dtypes agree); peak memory: the model plus the largest tensor. Refused with every culprit listed, in the
-    order the checks always had: not floating point, NaN or infinite, then missing, unexpected, misshapen."""
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index), lean: allocated
+    once in `dtype` on `device`, filled one tensor at a time (peak: the model plus the largest tensor). Refused with
+    every culprit listed: not floating point, NaN or infinite, then missing, unexpected, misshapen."""
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
     if not index.exists() and not (path / "model.safetensors").exists():
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     files = _index_shards(index) if index.exists() else ["model.safetensors"]
-    # a name in two shards: the later file's tensor, as ever
-    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}
+    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}  # in two shards: the later
     not_float = sorted(
         f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
@@ -1534,8 +1518,8 @@ def load_checkpoint(
     return model
 
 
-# The HF-style entry points of the model, attached here so that the model's section needs nothing
-# from below the seam.
+# The HF-style entry points of the model, attached here so that the model's section needs nothing from below.
+
 LoopedLM.from_pretrained = staticmethod(load_checkpoint)
 LoopedLM.save_pretrained = save_checkpoint
 Config.from_dict = staticmethod(config_from_dict)
@@ -1589,8 +1573,7 @@ def _tokenizer(model_dir: str | None):
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
-    """question -> its prompt in the checkpoint's chat template, rendered as HF's `apply_chat_template` does
-    (README §7; `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it)."""
+    """question -> its prompt in the tokenizer's chat template, as HF's `apply_chat_template` renders it (README §7)."""
     if not isinstance(template := tok.config.get("chat_template"), str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
@@ -1756,16 +1739,14 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
 
 
 def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
-    """The training reward: a scorer ("strict"/"lenient"), or "digits", the share of digit characters in the
-    completion: a smoke-test reward that gives a gradient even to a random model."""
+    """The training reward: `gsm8k_score`'s, or "digits", the completion's share of digits (smoke tests' gradient)."""
     if kind == "digits":
         return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
     return gsm8k_score(completion, reference, kind)
 
 
 def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
-    """The task reward minus loop_cost x the sequence's mean exit loop: with sampled exits, GRPO trades accuracy
-    against depth; loop_cost 0 is plain GRPO (and a sequence with no tokens costs nothing)."""
+    """The task reward minus loop_cost x the sequence's mean exit loop (if it has tokens): accuracy against depth."""
     return task_reward - loop_cost * sum(exit_loops) / len(exit_loops) if loop_cost and exit_loops else task_reward
 
 
@@ -1785,8 +1766,7 @@ class LoopOutputs:
 
 
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's
-    logits (R, B, T, V) and gate logits (R, B, T); loop r passes all B*T rows through the layers with its own K/V."""
+    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's."""
     cfg, (B, T) = model.config, idx.shape
     seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
     pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
@@ -1818,8 +1798,7 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, beta=0.05, seed=0, log=print
 ) -> float:
-    """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
-    last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
+    """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
@@ -1843,8 +1822,7 @@ def sft_warm_start(
 def evaluate(
     model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
-    """Greedy held-out accuracy (strict) with its standard error, each problem's score, generated tokens' exit-loop
-    histogram and mean, and tokens per second of rollout; sampled exits are drawn with `seed`, so they repeat."""
+    """Greedy held-out accuracy (strict), its standard error and parts, exit loops and speed (sampled exits: `seed`)."""
     correct, exits, seconds = [], [], 0.0
     greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
@@ -1882,18 +1860,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature, lr,
-# KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an --atol or
-# --flip-margin that large passes any engine. The bounds are far beyond sense: temperature 100 (logits / 100 are
-# uniform to a few parts in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop
-# cost (rewards lie in [0, 1]), atol 1000 nats (e^-1000 underflows float64), flip margin 1 (CDF - threshold <= 1).
+# NOTE: every real flag has an upper bound, as finite is not enough: a temperature, lr, KL or loop-cost weight of 1e308
+# overflows everything hours later, and an --atol or --flip-margin that large passes any engine. The bounds are far
+# beyond sense: temperature 100, lr 1, 1000 for beta and loop cost (rewards lie in [0, 1]), atol 1000 nats, margin 1.
 
 
 def _flag(default, help: str, **meta):
-    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within` (lo, hi) or
-    (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex the value must match;
-    `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive` "required" or "optional": the
-    command's one mutually exclusive group (--model or --config)."""
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices`, `required`; `within` (lo, hi[, "(]"])
+    for numbers (closed unless the brackets say otherwise); `pattern` a regex; `path`/`out` "file"/"folder" to read/
+    write; `exclusive` "required"/"optional": the command's one mutually exclusive group (--model or --config)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -1987,24 +1962,20 @@ def check_flags(flags) -> None:
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # NOTE: CUDA kernels run asynchronously: time only after this
-
-
 def _timed(device: torch.device, fn: Callable):
-    """(seconds, fn()), the device synchronized on both sides."""
-    _sync(device)
+    """(seconds, fn()), the device synchronized on both sides (NOTE: CUDA kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
     t = time.perf_counter()
     res = fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t, res
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
     """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32:
-    {"rows_1", "rows_32", "worst"}. NOTE: one CPU thread: on busy cores OpenMP's threads wait for each other and a
-    timing turns into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's."""
+    {"rows_1", "rows_32", "worst"}. NOTE: on one CPU thread (on busy cores OpenMP's threads wait for each other)."""
+
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
@@ -2047,8 +2018,7 @@ EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copie
 
 @dataclass
 class TrainConfig:
-    """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it
-    (`DEMO_PRESET`). `train()` checks it (`check_flags`) before any work starts."""
+    """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it (`DEMO_PRESET`)."""
 
     config: str = _flag(
         str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)", path="file", exclusive="optional"
@@ -2128,8 +2098,7 @@ def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
 
 
 def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
-    """(B, N) the tokens' log-probs as vLLM's default logprobs_mode "raw_logprobs" reports them: log_softmax of
-    the unscaled, unfiltered logits, from a replay of the rollout's own calls (the very logits it sampled from)."""
+    """(B, N) the tokens' log-probs as vLLM's "raw_logprobs": of the plain logits, replayed (the very ones sampled)."""
     plain = dataclasses.replace(ro.policy, temperature=1.0, top_k=0, top_p=1.0)
     return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
 
@@ -2146,18 +2115,16 @@ def export_rounded(
         residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
         return copy
     if rule == "stochastic":
-        # NOTE: a bfloat16 is the top 16 bits of a float32. Adding a uniform 16-bit integer to the bits and
-        # dropping the low 16 carries into the kept bits (one step away from zero) with probability (dropped
-        # bits) / 2^16: the master's distance from the lower magnitude over the gap, for either sign.
+        # NOTE: a bfloat16 is a float32's top 16 bits: adding a uniform 16-bit integer and dropping the low 16 bits
+        # carries one step away from zero with probability (dropped bits) / 2^16, for either sign.
         noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
         return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
     return master.to(torch.bfloat16)
 
 
 class MasterWeights:
-    """The optimizer `train` hands grpo_update below float32: AdamW on float32 masters, the model (the copy that
-    rolls out, replays and is teacher-forced) exported from them after every step; the copy's gradient is theirs.
-    NOTE: the masters start as the copy's exact float32 value: step 1 samples what a plain bfloat16 run samples."""
+    """The optimizer `train` hands grpo_update below float32: AdamW on float32 masters (at first the copy's exact
+    value), exported to the model (the copy that rolls out) after every step; the copy's gradient is theirs."""
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
@@ -2197,9 +2164,8 @@ class MasterWeights:
 
     @torch.no_grad()
     def lag(self) -> dict:
-        """How far the copy trails the masters: export/lag = |copy - masters| / |masters - start| (1: the
-        copy has not moved; 0: it is the masters), and export/reached = <copy - start, masters - start> /
-        |masters - start|^2, the share of the masters' movement the copy has made (expected 1 when unbiased)."""
+        """How far the copy trails the masters: export/lag = |copy - masters| / |masters - start| (0: none), and
+        export/reached = <copy - start, masters - start> / |masters - start|^2 (expected 1 when unbiased)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
         for m, c, s in zip(self.masters, self.copies, self.start):
             moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
@@ -2271,9 +2237,8 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
-    """The HF-layout model (for users; below float32 the exported copy) and trainer_state.pt (for --resume), each
-    written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes never pairs one
-    step's weights with another's optimizer."""
+    """The HF-layout model (below float32 the exported copy) and trainer_state.pt (for --resume), each written
+    atomically. NOTE: --resume reads only trainer_state.pt: a crash between the writes never mixes two steps."""
     model.save_pretrained(out)
     opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
     state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
@@ -2281,9 +2246,8 @@ def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) 
 
 
 def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and so is a torn
-    last line (a run killed mid-write), reported; any other bad line is an error naming the file and line. Rank 0
-    also removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    """Logs continue the checkpoint: later steps' lines are dropped, and a torn last line, reported; any other bad
+    line is an error. Rank 0 also removes interrupted atomic writes' temp files whose process is gone."""
     out.mkdir(parents=True, exist_ok=True)
     temps = [t for t in sorted(out.glob(".*.tmp*")) if t.name.rpartition(".tmp")[2].isdigit() and t.is_file()]
     for tmp in temps if rank == 0 else []:
@@ -2328,8 +2292,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
 
 
 def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
-    """The model, tokenizer and problems; then the resumed state (or the warm start), the optimizer (below float32:
-    `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
+    """The model, tokenizer, problems, optimizer and KL reference, resumed (or warm-started), and the step to start."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
             f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
@@ -2373,9 +2336,8 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task. `on_start(model,
-    tok)` runs after the warm start, before the first GRPO step (the demo measures its "before" accuracy there).
-    Returns {"model", "tokenizer", "history": a metrics dict per step}."""
+    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task; `on_start(model,
+    tok)` runs before the first GRPO step. Returns {"model", "tokenizer", "history": a metrics dict per step}."""
     check_flags(cfg)
     dist = _distributed_setup(cfg)
     rank = dist["rank"]
@@ -2444,8 +2406,8 @@ def schedule_to_json(schedule: Schedule) -> str:
 
 
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json` (missing keys read as the defaults), its calls checked here
-    (`execute_call` trusts them): rows sorted, unique, the readout among them."""
+    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls checked (`execute_call` trusts)."""
+
     d = json.loads(text)
     calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
     for c in calls:
