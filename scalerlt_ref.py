@@ -3100,8 +3100,7 @@ def cmd_rollout(args) -> int:
 
 @torch.no_grad()
 def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, threshold: float) -> list[int]:
-    """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops
-    (greedy). The bench's baseline for the cache; the same policy as a dense rollout."""
+    """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops (greedy, dense)."""
     ids = list(prompt)
     R = model.config.total_ut_steps
     for _ in range(max_new_tokens):
@@ -3112,8 +3111,7 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
 
 
 def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: of resident memory (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and,
-    on CUDA, of allocated device memory."""
+    """Start a new peak of resident memory (Linux: 5 to /proc/self/clear_refs resets VmHWM) and of CUDA memory."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:  # not Linux, or not allowed: the peak then runs from the start of the process
@@ -3123,8 +3121,7 @@ def _reset_peak_memory(device: torch.device) -> None:
 
 
 def _peak_resident_bytes(since_reset: bool = True) -> int:
-    """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
-    else (or off Linux) over the process's life (ru_maxrss)."""
+    """Peak resident memory (interpreter and torch included) since `_reset_peak_memory`, else (ru_maxrss) ever."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
@@ -3137,8 +3134,7 @@ def _peak_resident_bytes(since_reset: bool = True) -> int:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
-    """Memory bandwidth in bytes/s: the best of 5 copies of a 256 MiB buffer, each byte counted once read
-    and once written (STREAM's convention). The roofline's bound: decoding reads every weight per call."""
+    """Bytes/s of the best of 5 copies of 256 MiB, each byte read and written (STREAM's): the roofline's bound."""
     src = torch.ones(nbytes // 4, device=device)  # (n,) float32
     dst = torch.empty_like(src)
     seconds = [_timed(device, lambda: dst.copy_(src))[0] for _ in range(6)]
@@ -3146,18 +3142,16 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
-    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, and the
-    position's latest loop output h and its depth. At Ouro-1.4B in bf16: K/V 2 x 16 heads x 128 x 2 bytes
-    x 24 layers x 4 loops = 786,432 bytes, so 64 sequences x 512 positions need ~26 GB for K/V alone."""
+    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth.
+    At Ouro-1.4B in bf16: K/V 2 x 16 heads x 128 x 2 bytes x 24 layers x 4 loops = 786,432 bytes."""
     b = dtype.itemsize
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
     return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
 
 
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
-    """Bytes of weights and K/V that a rollout's calls read (a lower bound on its memory traffic): every call
-    reads the layers, the final norm and the exit gate, lm_head if it reads rows out, and for each of its
-    sequences K and V of every layer at positions up to its last one."""
+    """Bytes of weights and K/V a rollout's calls read (a bound on its memory traffic): per call the layers, final norm,
+    exit gate and (with a readout) lm_head, and per sequence K and V of every layer up to its last position."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
     per_call = b * sum(p.numel() for m in body for p in m.parameters())
@@ -3186,8 +3180,7 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
 
 
 class _BenchSetup:
-    """What every measurement of `bench` shares: the flags, the config, the prompts, the machine's figures
-    and (toy) the weights that every dtype loads."""
+    """What every measurement of `bench` shares: flags, config, prompts, the machine's figures, (toy) the weights."""
 
     def __init__(self, args):
         self.args, self.real = args, args.model is not None  # real: a checkpoint's shapes, where some measures shrink
@@ -3227,9 +3220,8 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
 
 
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
-    """Dense and deferred rollouts of B prompts, --repeats times each, alternating (drift hits both alike):
-    tokens/s against the ideal (their ratio of calls), and the roofline: the share of the copy bandwidth each
-    reaches (decoding reads every weight once per call, prefill included). Also returns the runs."""
+    """Dense and deferred rollouts of B prompts, --repeats times each, alternating: tokens/s against the ideal (their
+    ratio of calls), and the roofline (the share of the copy bandwidth each reaches). Also returns the runs."""
     _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
@@ -3261,9 +3253,8 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
 
 
 def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
-    """Replay against a deferred rollout (toy: batch 8), and whether replay equals the rollout (and the
-    dense one) bitwise. With --model the rollouts timed last serve: at 1.4 B parameters each costs seconds.
-    Also returns the deferred rollout and the rollout's times, which the learner's figures reuse."""
+    """Replay against a deferred rollout (toy: batch 8; --model: the rollouts timed last), and whether replay equals
+    the rollout (and the dense one) bitwise. Also returns the deferred rollout and its times, for the learner."""
     (ro_dense, _), (ro, rt) = runs["dense"], runs["deferred"]
     rt, rp = (rt, []) if s.real else ([], [])
     for _ in range(s.args.repeats):
@@ -3322,8 +3313,7 @@ def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
 
 
 def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
-    """The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
-    GSM8K-sized prompt and for the short bench prompt (--model: the short one, --new-tokens only)."""
+    """The KV cache against recomputing each token (greedy, batch 1), for a GSM8K-sized prompt and the short one."""
     n = s.args.new_tokens if s.real else s.args.cache_tokens
     prompts = (("_short", s.prompts[0]),) if s.real else (("", s.cache_prompt), ("_short", s.prompts[0]))
     rows, figures = [], {}
@@ -3338,8 +3328,7 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
 
 
 def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
-    """The KV cache per token and what fits beside the weights (in --memory-gb, else the device's memory or
-    the machine's); the peaks of the load and of the run."""
+    """The KV cache per token, what fits beside the weights (--memory-gb, else the device's or machine's), the peaks."""
     cfg, weights = s.cfg, load["weights"]
     kv = kv_cache_bytes_per_token(cfg, dtype)
     lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
@@ -3357,11 +3346,10 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
         f"{_fmt_bytes(memory)} less {_fmt_bytes(weights)} of weights holds {fit:,} tokens: "
         + ", ".join(f"batch {fit // T:,} x {T}" for T in lengths)
     )
-    peak_run = _peak_resident_bytes()
-    on_device = ""
+    peak_run, on_device = _peak_resident_bytes(), ""
     if s.device.type == "cuda":
-        peak_run_device = torch.cuda.max_memory_allocated(s.device)
-        on_device = f"; on {s.device}: load {_fmt_bytes(load['peak_device'])}, run {_fmt_bytes(peak_run_device)}"
+        run_device = _fmt_bytes(torch.cuda.max_memory_allocated(s.device))
+        on_device = f"; on {s.device}: load {_fmt_bytes(load['peak_device'])}, run {run_device}"
     peaks = (
         f"weights {_fmt_bytes(weights)}; load {load['seconds']:.1f}s, peak resident {_fmt_bytes(load['peak'])} "
         f"(x{load['peak'] / weights:.2f} the weights; interpreter and torch included); run: peak resident "
@@ -3373,8 +3361,7 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
 
 
 def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return,
-    before the next dtype's load is measured)."""
+    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return)."""
     dtype = DTYPES[dtype_name]
     _reset_peak_memory(s.device)
     if s.real:
@@ -3383,12 +3370,9 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
     else:
         t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
         model.load_state_dict(s.base.state_dict())
-    load = {
-        "seconds": t_load,
-        "peak": _peak_resident_bytes(),
-        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
-        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
-    }
+    peak, weights = _peak_resident_bytes(), sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    peak_device = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None
+    load = {"seconds": t_load, "peak": peak, "peak_device": peak_device, "weights": weights}
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
@@ -3400,9 +3384,8 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput and its roofline, replay and learner cost, the KV cache, memory and the
-    mismatch the hybrid removes, in bfloat16 and float32 (or --dtype): a table, then its figures as one JSON
-    line. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line lists."""
+    """Dense vs deferred throughput and roofline, replay and learner cost, the KV cache, memory and the mismatch the
+    hybrid removes, per dtype: a table, then its figures as one JSON line (--model: a checkpoint's shapes, cut)."""
     s = _BenchSetup(args)
     measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
@@ -3415,9 +3398,8 @@ def cmd_bench(args) -> int:
     print(
         f"bench: {args.model if s.real else os.path.relpath(args.config)} (R={s.cfg.total_ut_steps}, "
         f"L={s.cfg.num_hidden_layers}, C={s.cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, "
-        f"{args.new_tokens} new tokens, "
-        f"median of {args.repeats}, gate bias {'unchanged' if s.gate_bias is None else s.gate_bias}, "
-        f"exit threshold {s.threshold}"
+        f"{args.new_tokens} new tokens, median of {args.repeats}, gate bias "
+        f"{'unchanged' if s.gate_bias is None else s.gate_bias}, exit threshold {s.threshold}"
     )
     if s.real:
         print(
