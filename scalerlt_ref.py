@@ -1519,7 +1519,6 @@ def load_checkpoint(
 
 
 # The HF-style entry points of the model, attached here so that the model's section needs nothing from below.
-
 LoopedLM.from_pretrained = staticmethod(load_checkpoint)
 LoopedLM.save_pretrained = save_checkpoint
 Config.from_dict = staticmethod(config_from_dict)
@@ -1843,13 +1842,6 @@ def evaluate(
     }
 
 
-def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
-    """The mean gain on the same problems and its standard error (from the per-problem differences)."""
-    d = [a - b for a, b in zip(after, before)]
-    mean = sum(d) / len(d)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
-
-
 # --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
@@ -1975,7 +1967,6 @@ def _timed(device: torch.device, fn: Callable):
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
     """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32:
     {"rows_1", "rows_32", "worst"}. NOTE: on one CPU thread (on busy cores OpenMP's threads wait for each other)."""
-
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
@@ -2407,7 +2398,6 @@ def schedule_to_json(schedule: Schedule) -> str:
 
 def schedule_from_json(text: str) -> Schedule:
     """A schedule written by `schedule_to_json` (missing keys: defaults), its calls checked (`execute_call` trusts)."""
-
     d = json.loads(text)
     calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
     for c in calls:
@@ -3042,9 +3032,8 @@ def cmd_verify(args) -> int:
 
 
 def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
-    """The prompts of `rollout --prompts`, as ids: {"prompt_ids": [...]} or {"prompt": "text"} per line (text
-    through `tok`, the checkpoint's tokenizer.json or bytes, and its chat template under --prompt-format chat;
-    "prompt_ids" wins where both are given). Every problem is a ValueError naming the file and line."""
+    """The prompts of `rollout --prompts` as ids: {"prompt_ids": [...]} (preferred) or {"prompt": "text"} per line,
+    text through `tok` (and its chat template under --prompt-format chat); errors name the file and line."""
     prompts, V, limit = [], cfg.vocab_size, cfg.max_position_embeddings
     for lineno, d in read_jsonl(flags.prompts):
         where = f"{flags.prompts}:{lineno}"
@@ -3658,16 +3647,16 @@ def cmd_demo(flags) -> int:
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens)
-    gain, gain_se = paired_gain(before["correct"], after["correct"])
+    d = [a - b for a, b in zip(after["correct"], before["correct"])]  # paired: the gain on each problem
+    gain = sum(d) / len(d)
+    gain_se = math.sqrt(sum((x - gain) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
     report("GRPO:      ", after, f"gain {gain:+.3f} ± {gain_se:.3f}, paired")
     print("exit loops of generated tokens (held-out, after GRPO):")
     for r, c in enumerate(hist := after["exit_histogram"], 1):
         print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, sum(hist)))}")
     if flags.out:
-        save_plot(
-            Path(flags.out) / "demo.png",
-            lambda plt: _plot_history(plt, history, model.config.total_ut_steps, before, after),
-        )
+        R = model.config.total_ut_steps
+        save_plot(Path(flags.out) / "demo.png", lambda plt: _plot_history(plt, history, R, before, after))
     print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
     return 0
 
@@ -3733,8 +3722,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = flags_from_args(args)
         check_flags(flags)  # every flag, before any work
         return COMMANDS[args.command][1](flags)
-    # bad input, a read-only or full disk, a file vanished mid-run: one line naming the flag or file, no traceback
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # bad input, a full disk, a file vanished mid-run: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 
