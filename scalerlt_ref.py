@@ -1405,8 +1405,7 @@ class _StoredTensor(NamedTuple):  # where one tensor lies in a safetensors file,
 
 
 def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
-    """The tensors of one safetensors file, from its header: validated by safetensors first (a corrupt file gets its
-    message), then read again here for the byte offsets, which safetensors does not expose."""
+    """The tensors of one safetensors file, from its header (validated by safetensors first), with byte offsets."""
     st = _optional("safetensors.torch", "reading or writing checkpoints")
     try:
         with st.safe_open(str(file), framework="pt"):
@@ -1427,10 +1426,9 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) per stored tensor, each file read once in order, into `into[name]` if given, else a new CPU
-    tensor. NOTE: plain reads, not a memory map, whose pages would count as resident memory: a shard more at peak."""
+    """Yield (name, tensor) per stored tensor, read in file order into `into[name]` if given, else a new CPU tensor."""
     for file in dict.fromkeys(t.file for t in stored.values()):
-        with open(file, "rb") as fh:
+        with open(file, "rb") as fh:  # NOTE: not a memory map, whose pages count as resident
             for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
                 t = stored[name]
                 out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
@@ -1451,15 +1449,14 @@ def _all_finite(x: torch.Tensor) -> bool:
 
 
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised. NOTE: nn.Embedding's init
-    is skipped: on the meta device it runs reference kernels that import torch's compiler (3 s, 60 MB)."""
-    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
+    """A model allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised (no init draw at all)."""
+    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor  # no draw: slow on meta
     try:
         with torch.device("meta"):
             model = LoopedLM(cfg)
     finally:
         nn.init.normal_ = normal_
-    for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
+    for module in model.modules():  # NOTE: not model.to_empty(): on meta, both import torch's compiler (3 s)
         for name, p in module.named_parameters(recurse=False):
             setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
     return model
@@ -1469,9 +1466,8 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index), lean: allocated
-    once in `dtype` on `device`, filled one tensor at a time (peak: the model plus the largest tensor). Refused with
-    every culprit listed: not floating point, NaN or infinite, then missing, unexpected, misshapen."""
+    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index) into `dtype` on
+    `device`, one tensor at a time (peak: the model plus the largest tensor); every bad tensor is listed."""
     path = _check_path(path, "folder", "checkpoint")
     cfg = load_config(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -1603,8 +1599,7 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
 
 
 def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
-    """Resolved once, where a model and its tokenizer load: how prompts are written (`tok.chat`) and which ids stop
-    a sequence (`tok.stop_ids`; the first is `tok.eos_id`), in README §7's order (`fallback`: after config.json's)."""
+    """How prompts are written (`tok.chat`) and which ids stop a sequence (`tok.stop_ids`, `tok.eos_id`; README §7)."""
     chat = flags.prompt_format == "chat"
     tok.chat = chat_renderer(tok, flags.thinking) if chat else None
     gen = Path(flags.model or ".") / "generation_config.json"
@@ -1965,13 +1960,12 @@ def _timed(device: torch.device, fn: Callable):
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32:
-    {"rows_1", "rows_32", "worst"}. NOTE: on one CPU thread (on busy cores OpenMP's threads wait for each other)."""
+    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32."""
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
     threads, ratios = torch.get_num_threads(), {}
-    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    torch.set_num_threads(1 if device.type == "cpu" else threads)  # NOTE: busy cores make OpenMP threads wait
     try:
         for n in (1, 32):
             x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
@@ -2114,8 +2108,7 @@ def export_rounded(
 
 
 class MasterWeights:
-    """The optimizer `train` hands grpo_update below float32: AdamW on float32 masters (at first the copy's exact
-    value), exported to the model (the copy that rolls out) after every step; the copy's gradient is theirs."""
+    """The optimizer below float32: AdamW on float32 masters, the model (the copy) exported from them every step."""
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
@@ -2155,8 +2148,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def lag(self) -> dict:
-        """How far the copy trails the masters: export/lag = |copy - masters| / |masters - start| (0: none), and
-        export/reached = <copy - start, masters - start> / |masters - start|^2 (expected 1 when unbiased)."""
+        """How far the copy trails the masters: export/lag (0: not at all), export/reached (its share of their move)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
         for m, c, s in zip(self.masters, self.copies, self.start):
             moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
@@ -2228,8 +2220,7 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
-    """The HF-layout model (below float32 the exported copy) and trainer_state.pt (for --resume), each written
-    atomically. NOTE: --resume reads only trainer_state.pt: a crash between the writes never mixes two steps."""
+    """The HF-layout model and trainer_state.pt, each written atomically (--resume reads only trainer_state.pt)."""
     model.save_pretrained(out)
     opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
     state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
@@ -2237,8 +2228,7 @@ def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) 
 
 
 def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: later steps' lines are dropped, and a torn last line, reported; any other bad
-    line is an error. Rank 0 also removes interrupted atomic writes' temp files whose process is gone."""
+    """Logs continue the checkpoint: later steps' lines and a torn last line are dropped; stale temp files removed."""
     out.mkdir(parents=True, exist_ok=True)
     temps = [t for t in sorted(out.glob(".*.tmp*")) if t.name.rpartition(".tmp")[2].isdigit() and t.is_file()]
     for tmp in temps if rank == 0 else []:
@@ -2327,8 +2317,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task; `on_start(model,
-    tok)` runs before the first GRPO step. Returns {"model", "tokenizer", "history": a metrics dict per step}."""
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1. Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
     dist = _distributed_setup(cfg)
     rank = dist["rank"]
@@ -2409,8 +2398,7 @@ def schedule_from_json(text: str) -> Schedule:
 
 
 def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
-    """A text picture for readers (as in `rollout`'s docstring): a line per position, a column per loop, each
-    cell the number of the call that computed it ('·' where that loop of that position was never computed)."""
+    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none)."""
     cells = {(p, c.loop): i for i, c in enumerate(schedule.calls) for b, p in c.rows if b == seq}
     if not cells:
         return f"(sequence {seq} has no rows)"
@@ -3032,8 +3020,7 @@ def cmd_verify(args) -> int:
 
 
 def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
-    """The prompts of `rollout --prompts` as ids: {"prompt_ids": [...]} (preferred) or {"prompt": "text"} per line,
-    text through `tok` (and its chat template under --prompt-format chat); errors name the file and line."""
+    """The prompts of `rollout --prompts` as ids: {"prompt_ids": [...]} or {"prompt": "text"} (via `tok`) per line."""
     prompts, V, limit = [], cfg.vocab_size, cfg.max_position_embeddings
     for lineno, d in read_jsonl(flags.prompts):
         where = f"{flags.prompts}:{lineno}"
@@ -3131,16 +3118,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
-    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth.
-    At Ouro-1.4B in bf16: K/V 2 x 16 heads x 128 x 2 bytes x 24 layers x 4 loops = 786,432 bytes."""
+    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth."""
     b = dtype.itemsize
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
     return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
 
 
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
-    """Bytes of weights and K/V a rollout's calls read (a bound on its memory traffic): per call the layers, final norm,
-    exit gate and (with a readout) lm_head, and per sequence K and V of every layer up to its last position."""
+    """Bytes of weights and K/V that a rollout's calls read: a lower bound on its memory traffic."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
     per_call = b * sum(p.numel() for m in body for p in m.parameters())
@@ -3209,8 +3194,7 @@ def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
 
 
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
-    """Dense and deferred rollouts of B prompts, --repeats times each, alternating: tokens/s against the ideal (their
-    ratio of calls), and the roofline (the share of the copy bandwidth each reaches). Also returns the runs."""
+    """Dense and deferred rollouts of B prompts, alternating: tokens/s against the ideal, the roofline; and the runs."""
     _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
@@ -3242,8 +3226,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
 
 
 def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
-    """Replay against a deferred rollout (toy: batch 8; --model: the rollouts timed last), and whether replay equals
-    the rollout (and the dense one) bitwise. Also returns the deferred rollout and its times, for the learner."""
+    """Replay's time against a deferred rollout's, and whether it is bitwise equal; and the rollout and its times."""
     (ro_dense, _), (ro, rt) = runs["dense"], runs["deferred"]
     rt, rp = (rt, []) if s.real else ([], [])
     for _ in range(s.args.repeats):
@@ -3373,8 +3356,7 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput and roofline, replay and learner cost, the KV cache, memory and the mismatch the
-    hybrid removes, per dtype: a table, then its figures as one JSON line (--model: a checkpoint's shapes, cut)."""
+    """Dense vs deferred throughput, replay, learner, KV cache, memory and the hybrid's mismatch: a table, then JSON."""
     s = _BenchSetup(args)
     measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
     for dtype_name in s.dtypes:
