@@ -1103,10 +1103,8 @@ def grpo_update(
 
 # --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
 
-# Limits on JSON input, checked before parsing: deeper nesting overflows Python's stack inside json,
-# and longer numbers hit Python's 4300-digit int conversion limit or overflow a float far from their line.
-JSON_MAX_DEPTH = 64
-JSON_MAX_NUMBER_DIGITS = 100
+JSON_MAX_DEPTH = 64  # checked before parsing: deeper nesting overflows Python's stack inside json
+JSON_MAX_NUMBER_DIGITS = 100  # longer numbers hit the 4300-digit int limit or overflow a float far from their line
 _JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 
 
@@ -1158,8 +1156,7 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
 # The largest model (parameters, one sequence's caches; 8 bytes a number) a config may ask for, checked before
 # anything is allocated: a typo such as a 10**9 vocabulary is refused in milliseconds, not by exhausting memory.
 MAX_MODEL_BYTES = 64 * 2**30
-# NOTE: the KV cache is counted for this many positions at most (Ouro-1.4B's 65536 would need ~100 GB)
-KV_BUDGET_POSITIONS = 4096
+KV_BUDGET_POSITIONS = 4096  # NOTE: the KV cache counted for this many positions at most (Ouro-1.4B's 65536: ~100 GB)
 
 
 def _config_bytes(cfg) -> dict[str, int]:
@@ -1177,8 +1174,7 @@ def _config_bytes(cfg) -> dict[str, int]:
     }
 
 
-# HF metadata that does not change the math (checked where it could)
-_HF_IGNORED_KEYS = set(
+_HF_IGNORED_KEYS = set(  # HF metadata that does not change the math (checked where it could)
     "architectures auto_map model_type torch_dtype dtype transformers_version use_cache initializer_range "
     "attention_dropout max_window_layers sliding_window use_sliding_window layer_types hidden_act rope_scaling "
     "attention_bias early_exit_step chunk_size _name_or_path is_decoder output_hidden_states".split()
@@ -1194,29 +1190,6 @@ _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may
     "hidden_act": (str,), "rope_scaling": (dict, type(None)), "use_sliding_window": (bool, type(None)),
     "layer_types": (list, type(None)), "attention_bias": (bool, type(None)), "eos_token_id": (int, list, type(None)),
 }  # fmt: skip
-
-
-def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements (each key's type checked first)."""
-    for key, types in _HF_KEY_TYPES.items():
-        if key in d and not isinstance(d[key], types):
-            raise ValueError(
-                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
-                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
-            )
-    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
-        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
-    eos = d.get("eos_token_id")
-    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
-        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
-    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
-    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
-    if d.get("attention_bias"):
-        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
 
 
 def _is_finite_number(v) -> bool:
@@ -1283,7 +1256,25 @@ def _build_config(kw: dict, source: str) -> Config:
 
 def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     """An HF Ouro config.json dict translated: metadata skipped, OuroConfig's defaults filled in, other math refused."""
-    _check_hf_semantics(d, source)
+    for key, types in _HF_KEY_TYPES.items():  # each key's type first: a list where an object belongs is an error
+        if key in d and not isinstance(d[key], types):
+            raise ValueError(
+                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
+                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
+            )
+    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
+        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
+    if d.get("hidden_act", "silu") != "silu":  # below: the settings that would change the math implemented here
+        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
+    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
+    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
+    if d.get("attention_bias"):
+        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
     known = {f.name for f in dataclasses.fields(Config)}
     for key in [k for k in d if k not in known and k not in _HF_IGNORED_KEYS]:
         warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
@@ -1388,8 +1379,7 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(wm.values()))
 
 
-# safetensors' dtype names, as torch dtypes (a tensor of any other dtype is refused: torch cannot hold it)
-_SAFETENSORS_DTYPES = {
+_SAFETENSORS_DTYPES = {  # safetensors' dtype names, as torch dtypes (any other is refused: torch cannot hold it)
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
     **{f"{k}{n}": getattr(torch, f"{t}{n}") for k, t in (("I", "int"), ("U", "uint")) for n in (8, 16, 32, 64)},
@@ -1782,8 +1772,7 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
     lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
     p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T) exit distribution: p_R takes the rest
-    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none")
-    ce = ce.view_as(p)  # (R, B, T)
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none").view_as(p)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
     per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
@@ -1847,9 +1836,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, as finite is not enough: a temperature, lr, KL or loop-cost weight of 1e308
-# overflows everything hours later, and an --atol or --flip-margin that large passes any engine. The bounds are far
-# beyond sense: temperature 100, lr 1, 1000 for beta and loop cost (rewards lie in [0, 1]), atol 1000 nats, margin 1.
+# NOTE: every real flag has an upper bound, as finite is not enough: a 1e308 temperature, lr, KL or loop-cost weight
+# overflows everything hours later, a 1e308 --atol passes any engine. The bounds are far beyond sense.
 
 
 def _flag(default, help: str, **meta):
@@ -1930,9 +1918,7 @@ def check_flags(flags) -> None:
             _check_path(v, f.metadata["path"], name)
         if "out" in f.metadata:
             _check_out(v, f.metadata["out"], name)
-    # the rules between flags
-    n = getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)
-    if n > MAX_COUNT:
+    if (n := getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)) > MAX_COUNT:  # between flags
         raise ValueError(f"--prompts-per-step x --group-size = {n:,} sequences per step; at most {MAX_COUNT:,}")
     if getattr(flags, "exit_policy", None) == "sampled" and flags.exit_rule != "survival":
         raise ValueError(
@@ -2031,9 +2017,7 @@ class TrainConfig:
     exit_policy: str = _flag(
         "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
     )
-    loop_cost: float = _flag(
-        0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1000.0)
-    )
+    loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1e3))
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
@@ -2100,8 +2084,7 @@ def export_rounded(
         residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
         return copy
     if rule == "stochastic":
-        # NOTE: a bfloat16 is a float32's top 16 bits: adding a uniform 16-bit integer and dropping the low 16 bits
-        # carries one step away from zero with probability (dropped bits) / 2^16, for either sign.
+        # NOTE: a bfloat16 is a float32's top 16 bits: uniform 16-bit noise carries away from 0 w.p. (low bits) / 2^16
         noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
         return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
     return master.to(torch.bfloat16)
@@ -3078,10 +3061,9 @@ def cmd_rollout(args) -> int:
 def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, threshold: float) -> list[int]:
     """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops (greedy, dense)."""
     ids = list(prompt)
-    R = model.config.total_ut_steps
     for _ in range(max_new_tokens):
         out = loop_outputs(model, torch.tensor([ids], device=model.device))
-        e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
+        e = exit_loop(out.gate_logits[:, 0, -1], model.config.total_ut_steps, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
     return ids[len(prompt) :]
 
@@ -3142,8 +3124,7 @@ def _fmt_bytes(n: float) -> str:
     return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
 
 
-# A measurement's table rows (what, text) and its summary figures, keyed without the dtype's suffix.
-Measured = tuple[list[tuple[str, str]], dict]
+Measured = tuple[list[tuple[str, str]], dict]  # a measurement's table rows (what, text) and its summary figures
 Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
@@ -3520,8 +3501,7 @@ def cmd_train(cfg: TrainConfig) -> int:
     return 0
 
 
-# The demo is a TrainConfig preset: the fields it exposes as flags, each with the demo's default and help
-# (and, optionally, metadata that differs), plus flags of its own; `DEMO_FIXED` are set without a flag.
+# The demo is a TrainConfig preset (see `_preset_flags`), plus flags of its own; `DEMO_FIXED` are set without a flag.
 DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
     "sft_steps": (220, "warm-start steps"),
