@@ -1153,8 +1153,7 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
 
 
-# The largest model (parameters, one sequence's caches; 8 bytes a number) a config may ask for, checked before
-# anything is allocated: a typo such as a 10**9 vocabulary is refused in milliseconds, not by exhausting memory.
+# The largest model a config may ask for (8 bytes a number), checked before allocating: a 10**9 vocabulary fails fast.
 MAX_MODEL_BYTES = 64 * 2**30
 KV_BUDGET_POSITIONS = 4096  # NOTE: the KV cache counted for this many positions at most (Ouro-1.4B's 65536: ~100 GB)
 
@@ -1163,15 +1162,11 @@ def _config_bytes(cfg) -> dict[str, int]:
     """Bytes (at 8 a number) of a config's parameters, RoPE tables and one sequence's caches."""
     V, C, I, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     H, G, R = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.total_ut_steps
-    D = cfg.head_dim or C // H
-    T = min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
+    D, T = cfg.head_dim or C // H, min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
     layer = C * H * D * 2 + C * G * D * 2 + 3 * C * I + 4 * C  # q, o; k, v; MLP; the four norms
     params = 2 * V * C + L * layer + C + C + 1  # embedding, head, layers, final norm, exit gate
-    return {
-        "parameters": 8 * params,
-        "rope": 8 * 2 * cfg.max_position_embeddings * D,
-        "kv_cache": 8 * (2 * R * L * G * T * D + T * C),
-    }
+    rope, cache = 2 * cfg.max_position_embeddings * D, 2 * R * L * G * T * D + T * C  # cos, sin; K, V of all; h
+    return {"parameters": 8 * params, "rope": 8 * rope, "kv_cache": 8 * cache}
 
 
 _HF_IGNORED_KEYS = set(  # HF metadata that does not change the math (checked where it could)
@@ -1354,8 +1349,7 @@ def save_plot(path: Path, draw: Callable) -> None:
 
 def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors in the HF Ouro layout, each atomically."""
-    st = _optional("safetensors.torch", "reading or writing checkpoints")
-    path = Path(path)
+    st, path = _optional("safetensors.torch", "reading or writing checkpoints"), Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
@@ -1456,11 +1450,9 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index) into `dtype` on
-    `device`, one tensor at a time (peak: the model plus the largest tensor); every bad tensor is listed."""
+    """An HF Ouro checkpoint folder (config.json, safetensors) in `dtype` on `device`, read one tensor at a time."""
     path = _check_path(path, "folder", "checkpoint")
-    cfg = load_config(path / "config.json")
-    index = path / "model.safetensors.index.json"
+    cfg, index = load_config(path / "config.json"), path / "model.safetensors.index.json"
     if not index.exists() and not (path / "model.safetensors").exists():
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     files = _index_shards(index) if index.exists() else ["model.safetensors"]
@@ -1497,9 +1489,8 @@ def load_checkpoint(
         raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
     if bad_names:
         raise ValueError(
-            f"{path}: checkpoint does not match its config.json:\n"
-            f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
-            f"  misshapen tensors: {misshapen}"
+            f"{path}: checkpoint does not match its config.json:\n  missing tensors: {missing}\n"
+            f"  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
         )
     return model
 
@@ -1767,8 +1758,7 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)), averaged over masked tokens: out `loop_outputs`,
-    targets (B, T) long the next tokens, mask (B, T) bool; the entropy bonus keeps the gate off a single depth."""
+    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)) over masked tokens (the entropy spreads the exits)."""
     lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
     p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T) exit distribution: p_R takes the rest
@@ -1841,9 +1831,8 @@ CONFIGS = Path(__file__).with_name("tiny_configs")
 
 
 def _flag(default, help: str, **meta):
-    """A field that is also a flag (`_` written `-`). meta: argparse's `choices`, `required`; `within` (lo, hi[, "(]"])
-    for numbers (closed unless the brackets say otherwise); `pattern` a regex; `path`/`out` "file"/"folder" to read/
-    write; `exclusive` "required"/"optional": the command's one mutually exclusive group (--model or --config)."""
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices`, `required`; `within` (lo, hi[, "(]"]),
+    closed by default; `pattern`; `path`/`out` "file"/"folder"; `exclusive` "required"/"optional" (--model/--config)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -1939,8 +1928,7 @@ def _timed(device: torch.device, fn: Callable):
     """(seconds, fn()), the device synchronized on both sides (NOTE: CUDA kernels run asynchronously)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     sync(device)
-    t = time.perf_counter()
-    res = fn()
+    t, res = time.perf_counter(), fn()
     sync(device)
     return time.perf_counter() - t, res
 
@@ -2053,8 +2041,7 @@ class TrainConfig:
 
 
 def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
-    """One JSON-ready record per sequence (README, Contract §8): token k read out at position len(prompt)-1+k,
-    after exit loop exit_loops[k]; log-probs of the distribution sampled, or `raw` (`raw_logprobs`) when given."""
+    """One JSON-ready record per sequence (README, Contract §8): log-probs of the distribution sampled, or `raw`."""
     sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
@@ -2075,9 +2062,8 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
 def export_rounded(
     master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up in magnitude with
-    probability (distance to the lower one) / gap, so the copy's mean is the master. error-feedback: master +
-    residual to the nearest, the new error kept in `residual`: the copies' sum is the masters' up to one residual."""
+    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up with probability (distance
+    to the lower) / gap, the mean is the master. error-feedback: master + `residual` to the nearest, the error kept."""
     if rule == "error-feedback":
         target = master + residual
         copy = target.to(torch.bfloat16)
@@ -2146,8 +2132,7 @@ class MasterWeights:
 def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems, dist: dict, out) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
     rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
-    t0 = time.time()
-    gen = torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
+    t0, gen = time.time(), torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
     pick = torch.randint(len(problems), (P,), generator=gen).tolist()
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
@@ -2162,8 +2147,7 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    t1 = time.time()
-    m = grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
+    t1, m = time.time(), grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
         "reward": float(rw.mean()),
@@ -3110,10 +3094,8 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
     """Bytes of weights and K/V that a rollout's calls read: a lower bound on its memory traffic."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
-    per_call = b * sum(p.numel() for m in body for p in m.parameters())
-    head = b * model.lm_head.weight.numel()
-    kv_position = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers
-    total = 0
+    per_call, head = b * sum(p.numel() for m in body for p in m.parameters()), b * model.lm_head.weight.numel()
+    kv_position, total = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers, 0
     for c in ro.schedule.calls:
         Tk = max(p for _, p in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
         total += per_call + (head if c.readout else 0) + len({s for s, _ in c.rows}) * Tk * kv_position
@@ -3185,8 +3167,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
     tokens = int(ro_def.mask.sum())
     med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
-    speedup = med_dense / med_def
-    ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
+    speedup, ideal = med_dense / med_def, len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
     mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
     same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
     speed = (
@@ -3216,8 +3197,7 @@ def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rol
             rt.append(dt)
         dt, replay = _timed(s.device, lambda: replay_logprobs(model, ro))
         rp.append(dt)
-    ratio = statistics.median(rp) / statistics.median(rt)
-    bitwise = torch.equal(replay, ro.logprobs)
+    ratio, bitwise = statistics.median(rp) / statistics.median(rt), torch.equal(replay, ro.logprobs)
     bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
     text = f"{ratio:.3f} (replay equals the rollout bitwise: {bitwise}; the dense rollout's: {bitwise_dense})"
     figures = {"replay_over_rollout": round(ratio, 3), "replay_bitwise": bitwise and bitwise_dense}
@@ -3252,12 +3232,10 @@ def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[f
 def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
     """The mismatch the hybrid removes: a naive learner's log-probs (teacher-forced) against the sampler's."""
     with torch.no_grad():
-        naive = teacher_forced_logprobs(model, ro)
-        hyb = learner_logprobs(model, ro)[0]
+        naive, hyb = teacher_forced_logprobs(model, ro), learner_logprobs(model, ro)[0]
     m, sampler = ro.mask.to(model.device), ro.logprobs.to(model.device)
-    d = (naive - sampler).abs()[m]
+    d, dh = (naive - sampler).abs()[m], (hyb - sampler).abs()[m]
     clipped = ((torch.exp(naive - sampler) - 1).abs() > 0.2)[m].float().mean()
-    dh = (hyb - sampler).abs()[m]
     text = (
         f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
         f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"
@@ -3495,8 +3473,7 @@ def cmd_train(cfg: TrainConfig) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one JSON line: rank 0's
-        mismatched = sum(m.get("exact/mismatched_tokens", 0) for m in h)
-        reward = h[-1]["reward"] if h else None
+        mismatched, reward = sum(m.get("exact/mismatched_tokens", 0) for m in h), h[-1]["reward"] if h else None
         print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": mismatched, "out": cfg.out}))
     return 0
 
