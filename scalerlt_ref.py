@@ -1617,8 +1617,7 @@ def gsm8k_answer(text: str) -> float | None:
 
 
 def extract_answer(text: str, lenient: bool = False) -> float | None:
-    """A completion's final answer as a number, or None, by README §7's rules in order: only the text after the last
-    '</think>' counts; the last '\\boxed{...}'; '####'; 'answer is'; lenient only, the last number of the text."""
+    """A completion's final answer as a number, or None, by README §7's rules (after '</think>': boxed, ####, ...)."""
     if "<think>" in text and "</think>" not in text:
         return None  # a thought never closed has no answer
     text = text.rsplit("</think>", 1)[-1]
@@ -1826,8 +1825,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, as finite is not enough: a 1e308 temperature, lr, KL or loop-cost weight
-# overflows everything hours later, a 1e308 --atol passes any engine. The bounds are far beyond sense.
+# NOTE: every real flag has an upper bound, far beyond sense: a finite 1e308 lr overflows, an --atol passes any engine.
 
 
 def _flag(default, help: str, **meta):
@@ -2286,11 +2284,10 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
     """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1. Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
-    dist = _distributed_setup(cfg)
+    dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank = dist["rank"]
     say = log if rank == 0 else (lambda *_: None)
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
-    out = Path(cfg.out) if cfg.out else None
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
         say(slow)
@@ -3147,15 +3144,6 @@ def _bench_rollout(
     return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
 
 
-def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
-    """bfloat16 against float32 matmul speed at this model's MLP shape (and a warning when it is slow)."""
-    text = f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)"
-    rows = [("bf16 / fp32 matmul", text)]
-    if warning := bf16_warning(slowdown):
-        rows.append(("", warning))
-    return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
-
-
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
     """Dense and deferred rollouts of B prompts, alternating: tokens/s against the ideal, the roofline; and the runs."""
     _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
@@ -3217,8 +3205,10 @@ def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[f
         text += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
         return [("learner", text)], {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    rewards = torch.arange(len(ro.prompts), dtype=torch.float32) % 2
-    config = GRPOConfig(group_size=2, check_replay=True)
+    rewards, config = (
+        torch.arange(len(ro.prompts), dtype=torch.float32) % 2,
+        GRPOConfig(group_size=2, check_replay=True),
+    )
     t_learn, _ = _timed(s.device, lambda: grpo_update(model, opt, ro, rewards, config))
     t_opt, _ = _timed(s.device, opt.step)  # the optimizer alone, on the gradients the update left
     model.load_state_dict(s.base.state_dict())  # undo the updates: later figures use the rollout's weights
@@ -3316,8 +3306,11 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 def cmd_bench(args) -> int:
     """Dense vs deferred throughput, replay, learner, KV cache, memory and the hybrid's mismatch: a table, then JSON."""
-    s = _BenchSetup(args)
-    measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
+    s, measured = _BenchSetup(args), []
+    if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
+        text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
+        rows = [("bf16 / fp32 matmul", text)] + ([("", w)] if (w := bf16_warning(sd)) else [])
+        measured.append(("bfloat16", (rows, {"bf16_over_fp32_matmul": sd["worst"]})))
     for dtype_name in s.dtypes:
         measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
     peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
@@ -3528,8 +3521,7 @@ DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
     """Accuracy per GRPO step (and its running mean), the held-out accuracies, and the mean exit loop."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [m["step"] for m in history]
-    acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
+    steps, acc = [m["step"] for m in history], [m["accuracy"] for m in history]  # = reward if no --loop-cost/--reward
     smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
     ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
     ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
