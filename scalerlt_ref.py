@@ -1581,9 +1581,8 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
 
 def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
     """How prompts are written (`tok.chat`) and which ids stop a sequence (`tok.stop_ids`, `tok.eos_id`; README §7)."""
-    chat = flags.prompt_format == "chat"
+    chat, gen = flags.prompt_format == "chat", Path(flags.model or ".") / "generation_config.json"
     tok.chat = chat_renderer(tok, flags.thinking) if chat else None
-    gen = Path(flags.model or ".") / "generation_config.json"
     eos = _load_json_limited(_read_text(gen, "generation config"), gen) if flags.model and gen.exists() else {}
     eos = eos.get("eos_token_id") if isinstance(eos, dict) else None
     default = cfg.eos_token_id if cfg.eos_token_id is not None else fallback
@@ -1740,16 +1739,15 @@ class LoopOutputs:
 
 
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's."""
+    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
     seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
     pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
     h = model.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
-        kv_shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
-        k = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
-        v = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
+        shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
+        k, v = [[torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers] for _ in "kv"]
         h = model.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
         logits.append(model.readout(h, numerics).view(B, T, -1))
         gates.append(model.gate_logits(h, numerics).view(B, T))
@@ -1819,7 +1817,7 @@ def evaluate(
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
-MAX_BENCH_BATCH = 4096  # the bench draws this many prompts at most
+MAX_BATCH = 4096  # the bench draws this many prompts at most
 DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
@@ -2079,8 +2077,7 @@ class MasterWeights:
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
-        self.masters = [p.detach().float() for p in self.copies]
-        self.start = [p.detach().clone() for p in self.copies]
+        self.masters, self.start = [p.detach().float() for p in self.copies], [p.detach().clone() for p in self.copies]
         self.residuals = [torch.zeros_like(m) for m in self.masters] if rounding == "error-feedback" else None
         self.gen = torch.Generator(model.device).manual_seed(seed)
         self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
@@ -2107,8 +2104,7 @@ class MasterWeights:
         self.opt.load_state_dict(state["optimizer"])  # AdamW casts moments saved in another dtype to float32
         if "masters" not in state:  # a float32 run, or an old in-place bfloat16 one: the masters are its weights
             return
-        e = state["exporter"]
-        mine = self.masters + self.start + (self.residuals or [])
+        e, mine = state["exporter"], self.masters + self.start + (self.residuals or [])
         for a, b in zip(mine, state["masters"] + e["start"] + (e["residuals"] or []), strict=True):
             a.copy_(b)
         self.gen.set_state(e["generator"])
@@ -2204,8 +2200,7 @@ def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], N
             say(f"removed {tmp} (left by an interrupted write)")
         except PermissionError:
             pass
-    logs = [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]
-    for log_file in filter(Path.exists, logs):
+    for log_file in filter(Path.exists, [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]):
         lines, keep = _read_text(log_file, "log").splitlines(), []
         for lineno, line in enumerate(lines, 1):
             try:
@@ -2266,8 +2261,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
-    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
-    grpo = cfg.grpo()
+    model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
     else:
@@ -2285,8 +2279,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callab
     """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1. Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
-    rank = dist["rank"]
-    say = log if rank == 0 else (lambda *_: None)
+    rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
@@ -3153,8 +3146,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
             dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:B], m))
             runs[m] = (ro, runs[m][1] + [dt])
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
-    tokens = int(ro_def.mask.sum())
-    med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
+    tokens, med_dense, med_def = int(ro_def.mask.sum()), statistics.median(t_dense), statistics.median(t_def)
     speedup, ideal = med_dense / med_def, len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
     mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
     same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
@@ -3205,10 +3197,8 @@ def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[f
         text += " (one run); no GRPO step with --model (AdamW's state would be two more copies of the weights)"
         return [("learner", text)], {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    rewards, config = (
-        torch.arange(len(ro.prompts), dtype=torch.float32) % 2,
-        GRPOConfig(group_size=2, check_replay=True),
-    )
+    rewards = torch.arange(len(ro.prompts), dtype=torch.float32) % 2
+    config = GRPOConfig(group_size=2, check_replay=True)
     t_learn, _ = _timed(s.device, lambda: grpo_update(model, opt, ro, rewards, config))
     t_opt, _ = _timed(s.device, opt.step)  # the optimizer alone, on the gradients the update left
     model.load_state_dict(s.base.state_dict())  # undo the updates: later figures use the rollout's weights
@@ -3235,9 +3225,8 @@ def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
 
 def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
     """The KV cache against recomputing each token (greedy, batch 1), for a GSM8K-sized prompt and the short one."""
-    n = s.args.new_tokens if s.real else s.args.cache_tokens
+    rows, figures, n = [], {}, s.args.new_tokens if s.real else s.args.cache_tokens
     prompts = (("_short", s.prompts[0]),) if s.real else (("", s.cache_prompt), ("_short", s.prompts[0]))
-    rows, figures = [], {}
     for name, prompt in prompts:
         t_rec, ids_rec = _timed(s.device, lambda: recompute_rollout(model, prompt, n, s.threshold))
         t_cached, ro = _timed(s.device, lambda: _bench_rollout(s, model, [prompt], "dense", n, greedy=True))
@@ -3309,7 +3298,9 @@ def cmd_bench(args) -> int:
     s, measured = _BenchSetup(args), []
     if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
         text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
-        rows = [("bf16 / fp32 matmul", text)] + ([("", w)] if (w := bf16_warning(sd)) else [])
+        rows = [("bf16 / fp32 matmul", text)]
+        if warning := bf16_warning(sd):
+            rows.append(("", warning))
         measured.append(("bfloat16", (rows, {"bf16_over_fp32_matmul": sd["worst"]})))
     for dtype_name in s.dtypes:
         measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
@@ -3434,9 +3425,7 @@ class BenchFlags:
     )
     dtype: str = _flag("both", "model dtype(s)", choices=("both", "bfloat16", "float32"))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
-    batch: int | None = _flag(
-        None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BENCH_BATCH)
-    )
+    batch: int | None = _flag(None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BATCH))
     new_tokens: int = _flag(32, "new tokens per rollout", within=(1, MAX_COUNT))
     cache_tokens: int = _flag(128, "new tokens for the cache comparison", within=(1, MAX_COUNT))
     cache_prompt: int = _flag(
@@ -3536,31 +3525,13 @@ def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
     return fig
 
 
-def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags, t0: float) -> dict:
-    both = {"before": before, "after": after}
-    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
-    return (
-        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
-        | {"gain": round(gain[0], 4)}
-        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
-        | {"gain_se": round(gain[1], 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
-        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
-        | {"exit_histogram": after["exit_histogram"]}
-        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
-        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
-        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
-        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
-    )
-
-
 def cmd_demo(flags) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
     cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
     fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
-    held_out, before = fresh[: flags.eval_problems], {}
-    policy = cfg.policy(())  # evaluate() makes it greedy, with the tokenizer's EOS
+    held_out, before, policy = fresh[: flags.eval_problems], {}, cfg.policy(())  # evaluate() makes it greedy
 
     def report(when: str, r: dict, note: str) -> None:
         print(
@@ -3588,7 +3559,21 @@ def cmd_demo(flags) -> int:
     if flags.out:
         R = model.config.total_ut_steps
         save_plot(Path(flags.out) / "demo.png", lambda plt: _plot_history(plt, history, R, before, after))
-    print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
+    both = {"before": before, "after": after}
+    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
+    summary = (
+        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
+        | {"gain": round(gain, 4)}
+        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
+        | {"gain_se": round(gain_se, 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
+        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
+        | {"exit_histogram": after["exit_histogram"]}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
+        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
+        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
+        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
+    )
+    print(json.dumps(summary))
     return 0
 
 
