@@ -1104,10 +1104,8 @@ def grpo_update(
 
 # --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
 
-# Limits on JSON input, checked before parsing: deeper nesting overflows Python's stack inside json,
-# and longer numbers hit Python's 4300-digit int conversion limit or overflow a float far from their line.
-JSON_MAX_DEPTH = 64
-JSON_MAX_NUMBER_DIGITS = 100
+JSON_MAX_DEPTH = 64  # checked before parsing: deeper nesting overflows Python's stack inside json
+JSON_MAX_NUMBER_DIGITS = 100  # longer numbers hit the 4300-digit int limit or overflow a float far from their line
 _JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 
 
@@ -1136,8 +1134,7 @@ def _read_text(path: Path, what: str) -> str:
 
 
 def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = None):
-    """json.loads of `text` (line `lineno` of `path`, or the whole file) with limits on nesting depth and
-    number length; every problem is a ValueError naming the file and line."""
+    """json.loads of `text` (line `lineno` of `path`, or the whole file), within the JSON_MAX_* limits."""
     where = f"{path}:{lineno}" if lineno else f"{path}"
     bare = _JSON_STRING.sub(lambda m: '"' + " " * (len(m.group()) - 2) + '"', text)  # same offsets, no strings
     line_of = (lambda i: "") if lineno else (lambda i: f" line {text.count(chr(10), 0, i) + 1}:")
@@ -1157,33 +1154,23 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         raise ValueError(f"{where}:{'' if lineno else f' line {e.lineno}:'} not valid JSON ({e.msg})") from None
 
 
-# The largest model (parameters and the caches of one sequence) a config may ask for, checked with
-# Python integers before anything is allocated: a typo such as a 10**9 vocabulary is refused in
-# milliseconds instead of exhausting memory. Counted at 8 bytes a number (float64, the widest dtype here).
+# The largest model a config may ask for (8 bytes a number), checked before allocating: a 10**9 vocabulary fails fast.
 MAX_MODEL_BYTES = 64 * 2**30
-# NOTE: the KV cache is counted for one sequence of at most this many positions, not for
-# max_position_embeddings: Ouro-1.4B's 65536 positions would need ~100 GB of cache for a length no run
-# here reaches, while its parameters and a 4096-position cache need ~24 GB.
-KV_BUDGET_POSITIONS = 4096
+KV_BUDGET_POSITIONS = 4096  # NOTE: the KV cache counted for this many positions at most (Ouro-1.4B's 65536: ~100 GB)
 
 
 def _config_bytes(cfg) -> dict[str, int]:
     """Bytes (at 8 a number) of a config's parameters, RoPE tables and one sequence's caches."""
     V, C, I, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     H, G, R = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.total_ut_steps
-    D = cfg.head_dim or C // H
-    T = min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
+    D, T = cfg.head_dim or C // H, min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)
     layer = C * H * D * 2 + C * G * D * 2 + 3 * C * I + 4 * C  # q, o; k, v; MLP; the four norms
     params = 2 * V * C + L * layer + C + C + 1  # embedding, head, layers, final norm, exit gate
-    return {
-        "parameters": 8 * params,
-        "rope": 8 * 2 * cfg.max_position_embeddings * D,
-        "kv_cache": 8 * (2 * R * L * G * T * D + T * C),
-    }
+    rope, cache = 2 * cfg.max_position_embeddings * D, 2 * R * L * G * T * D + T * C  # cos, sin; K, V of all; h
+    return {"parameters": 8 * params, "rope": 8 * rope, "kv_cache": 8 * cache}
 
 
-# HF metadata that does not change the math (checked where it could)
-_HF_IGNORED_KEYS = set(
+_HF_IGNORED_KEYS = set(  # HF metadata that does not change the math (checked where it could)
     "architectures auto_map model_type torch_dtype dtype transformers_version use_cache initializer_range "
     "attention_dropout max_window_layers sliding_window use_sliding_window layer_types hidden_act rope_scaling "
     "attention_bias early_exit_step chunk_size _name_or_path is_decoder output_hidden_states".split()
@@ -1201,30 +1188,6 @@ _HF_KEY_TYPES = {  # the HF keys this module reads, with the JSON types they may
 }  # fmt: skip
 
 
-def _check_hf_semantics(d: dict, source: str):
-    """Refuse HF settings that would change the math this module implements (each key type-checked first,
-    so a list where an object belongs is an error, not a traceback)."""
-    for key, types in _HF_KEY_TYPES.items():
-        if key in d and not isinstance(d[key], types):
-            raise ValueError(
-                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
-                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
-            )
-    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
-        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
-    eos = d.get("eos_token_id")
-    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
-        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
-    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
-    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
-        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
-    if d.get("attention_bias"):
-        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
-
-
 def _is_finite_number(v) -> bool:
     """An int or float (not a bool) that is finite; an int too large for a float is not."""
     try:
@@ -1234,9 +1197,7 @@ def _is_finite_number(v) -> bool:
 
 
 def check_config(kw: dict) -> None:
-    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, with a
-    ValueError naming the key: wrong types, sizes < 1, an odd head size (RoPE rotates pairs), heads that
-    do not form groups, token ids outside the vocabulary, a negative threshold."""
+    """Refuse config keys (Config's fields, as given to Config(**kw)) that no model may have, naming the key."""
     c = {f.name: f.default for f in dataclasses.fields(Config)} | kw
     for f in dataclasses.fields(Config):
         v, kind, null = c[f.name], f.type.split(" |")[0], f.type.endswith("| None")
@@ -1290,9 +1251,26 @@ def _build_config(kw: dict, source: str) -> Config:
 
 
 def config_from_hf(d: dict, source: str = "<dict>") -> Config:
-    """Translate an HF Ouro config.json dict: HF metadata is skipped, missing keys take OuroConfig's
-    defaults, and settings that would change the math this module implements are refused."""
-    _check_hf_semantics(d, source)
+    """An HF Ouro config.json dict translated: metadata skipped, OuroConfig's defaults filled in, other math refused."""
+    for key, types in _HF_KEY_TYPES.items():  # each key's type first: a list where an object belongs is an error
+        if key in d and not isinstance(d[key], types):
+            raise ValueError(
+                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
+                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
+            )
+    if not all(isinstance(x, str) for x in d.get("layer_types") or []):
+        raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list) and not (eos and all(isinstance(x, int) and not isinstance(x, bool) for x in eos)):
+        raise ValueError(f"{source}: key 'eos_token_id' must be an integer or a non-empty list of integers")
+    if d.get("hidden_act", "silu") != "silu":  # below: the settings that would change the math implemented here
+        raise ValueError(f"{source}: key 'hidden_act' = {d['hidden_act']!r}; only 'silu' is implemented")
+    if (d.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"{source}: key 'rope_scaling' = {d['rope_scaling']!r}; only plain RoPE is implemented")
+    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window attention ('use_sliding_window'/'layer_types') is not implemented")
+    if d.get("attention_bias"):
+        raise ValueError(f"{source}: key 'attention_bias' is true; Ouro's projections have no bias")
     known = {f.name for f in dataclasses.fields(Config)}
     for key in [k for k in d if k not in known and k not in _HF_IGNORED_KEYS]:
         warnings.warn(f"{source}: ignoring HF config key {key!r}", stacklevel=2)
@@ -1307,8 +1285,7 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
 
 
 def config_from_dict(d: dict, source: str = "<dict>") -> Config:
-    """A config from a dict: an HF Ouro config.json's, or a tiny config's (unknown keys are an error: a
-    typo would change the model unnoticed). Also `Config.from_dict`."""
+    """A config from an HF Ouro config.json's dict or a tiny config's (unknown keys fail). Also `Config.from_dict`."""
     if not isinstance(d, dict):
         raise ValueError(f"{source}: a config must be a JSON object")
     if "model_type" in d or "architectures" in d:
@@ -1328,8 +1305,7 @@ def config_to_hf(cfg: Config) -> dict:
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    """A config file of either kind: an HF Ouro config.json, or a tiny config (strict: unknown keys fail).
-    Also `Config.from_json`."""
+    """A config file of either kind (see `config_from_dict`). Also `Config.from_json`."""
     path = Path(path)
     return config_from_dict(_load_json_limited(_read_text(path, "config"), path), str(path))
 
@@ -1374,8 +1350,7 @@ def save_plot(path: Path, draw: Callable) -> None:
 
 def save_checkpoint(model: LoopedLM, path: str | os.PathLike) -> None:
     """Write config.json + model.safetensors in the HF Ouro layout, each atomically."""
-    st = _optional("safetensors.torch", "reading or writing checkpoints")
-    path = Path(path)
+    st, path = _optional("safetensors.torch", "reading or writing checkpoints"), Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     _atomic_write(path / "model.safetensors", lambda p: st.save_file(tensors, str(p), metadata={"format": "pt"}))
@@ -1399,8 +1374,7 @@ def _index_shards(index: Path) -> list[str]:
     return sorted(set(wm.values()))
 
 
-# safetensors' dtype names, as torch dtypes (a tensor of any other dtype is refused: torch cannot hold it)
-_SAFETENSORS_DTYPES = {
+_SAFETENSORS_DTYPES = {  # safetensors' dtype names, as torch dtypes (any other is refused: torch cannot hold it)
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
     **{f"{k}{n}": getattr(torch, f"{t}{n}") for k, t in (("I", "int"), ("U", "uint")) for n in (8, 16, 32, 64)},
@@ -1416,9 +1390,7 @@ class _StoredTensor(NamedTuple):  # where one tensor lies in a safetensors file,
 
 
 def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
-    """The tensors of one safetensors file, from its header alone. safetensors validates the file first
-    (without reading its data), so a corrupt file gets safetensors' message; then the header is read again
-    here for the byte offsets, which safetensors does not expose."""
+    """The tensors of one safetensors file, from its header (validated by safetensors first), with byte offsets."""
     st = _optional("safetensors.torch", "reading or writing checkpoints")
     try:
         with st.safe_open(str(file), framework="pt"):
@@ -1439,11 +1411,9 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
 
 
 def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
-    """Yield (name, tensor) for every stored tensor, each file read once in order: straight into `into[name]`
-    when given (no copy at all), else into a new CPU tensor. NOTE: plain reads, not safetensors' memory map: a
-    mapped file's pages count as resident memory until it is closed, which would add a whole shard to the peak."""
+    """Yield (name, tensor) per stored tensor, read in file order into `into[name]` if given, else a new CPU tensor."""
     for file in dict.fromkeys(t.file for t in stored.values()):
-        with open(file, "rb") as fh:
+        with open(file, "rb") as fh:  # NOTE: not a memory map, whose pages count as resident
             for name in sorted((k for k, t in stored.items() if t.file == file), key=lambda k: stored[k].start):
                 t = stored[name]
                 out = into[name] if name in into else torch.empty(t.shape, dtype=t.dtype)
@@ -1459,22 +1429,19 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
 
 
 def _all_finite(x: torch.Tensor) -> bool:
-    """torch.isfinite(x).all(), fast: a sum is NaN or infinite whenever an element is (~100x faster on a CPU); only
-    a sum that is not finite (finite values can overflow too) is checked element by element, in slices."""
+    """torch.isfinite(x).all(), fast: the sum first (~100x faster on a CPU), elementwise only if it is not finite."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
 
 def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoopedLM:
-    """A model whose parameters are allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised.
-    NOTE: built on the meta device, where nn.Embedding's own init still runs through Python reference kernels that
-    import torch's compiler (measured: 3 s and 60 MB); that draw is skipped here."""
-    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor
+    """A model allocated once, in `dtype` on `device` ("meta": shapes only), uninitialised (no init draw at all)."""
+    normal_, nn.init.normal_ = nn.init.normal_, lambda tensor, *args, **kwargs: tensor  # no draw: slow on meta
     try:
         with torch.device("meta"):
             model = LoopedLM(cfg)
     finally:
         nn.init.normal_ = normal_
-    for module in model.modules():  # NOTE: not model.to_empty(), whose meta kernels import the compiler too
+    for module in model.modules():  # NOTE: not model.to_empty(): on meta, both import torch's compiler (3 s)
         for name, p in module.named_parameters(recurse=False):
             setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
     return model
@@ -1484,18 +1451,13 @@ def empty_model(cfg: Config, dtype: torch.dtype = torch.float32, device: str | t
 def load_checkpoint(
     path: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoopedLM:
-    """Load an HF Ouro checkpoint folder (config.json + model.safetensors, or shards and an index), lean:
-    allocated once in `dtype` on `device`, filled one tensor at a time (straight into its parameter when the
-    dtypes agree); peak memory: the model plus the largest tensor. Refused with every culprit listed, in the
-    order the checks always had: not floating point, NaN or infinite, then missing, unexpected, misshapen."""
+    """An HF Ouro checkpoint folder (config.json, safetensors) in `dtype` on `device`, read one tensor at a time."""
     path = _check_path(path, "folder", "checkpoint")
-    cfg = load_config(path / "config.json")
-    index = path / "model.safetensors.index.json"
+    cfg, index = load_config(path / "config.json"), path / "model.safetensors.index.json"
     if not index.exists() and not (path / "model.safetensors").exists():
         raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
     files = _index_shards(index) if index.exists() else ["model.safetensors"]
-    # a name in two shards: the later file's tensor, as ever
-    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}
+    stored = {name: t for f in files for name, t in _stored_tensors(path / f).items()}  # in two shards: the later
     not_float = sorted(
         f"{k} ({str(t.dtype).removeprefix('torch.')})" for k, t in stored.items() if not t.dtype.is_floating_point
     )
@@ -1528,15 +1490,13 @@ def load_checkpoint(
         raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
     if bad_names:
         raise ValueError(
-            f"{path}: checkpoint does not match its config.json:\n"
-            f"  missing tensors: {missing}\n  unexpected tensors: {unexpected}\n"
-            f"  misshapen tensors: {misshapen}"
+            f"{path}: checkpoint does not match its config.json:\n  missing tensors: {missing}\n"
+            f"  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
         )
     return model
 
 
-# The HF-style entry points of the model, attached here so that the model's section needs nothing
-# from below the seam.
+# The HF-style entry points of the model, attached here so that the model's section needs nothing from below.
 LoopedLM.from_pretrained = staticmethod(load_checkpoint)
 LoopedLM.save_pretrained = save_checkpoint
 Config.from_dict = staticmethod(config_from_dict)
@@ -1590,8 +1550,7 @@ def _tokenizer(model_dir: str | None):
 
 
 def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
-    """question -> its prompt in the checkpoint's chat template, rendered as HF's `apply_chat_template` does
-    (README §7; `thinking`: enable_thinking=True, and "<think>\\n" opened here if the template ignores it)."""
+    """question -> its prompt in the tokenizer's chat template, as HF's `apply_chat_template` renders it (README §7)."""
     if not isinstance(template := tok.config.get("chat_template"), str):
         what = "the byte tokenizer of tiny models" if isinstance(tok, ByteTokenizer) else "tokenizer_config.json"
         raise ValueError(f"--prompt-format chat needs a chat template ('chat_template'); {what} has none")
@@ -1622,11 +1581,9 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
 
 
 def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple[int, ...]:
-    """Resolved once, where a model and its tokenizer load: how prompts are written (`tok.chat`) and which ids stop
-    a sequence (`tok.stop_ids`; the first is `tok.eos_id`), in README §7's order (`fallback`: after config.json's)."""
-    chat = flags.prompt_format == "chat"
+    """How prompts are written (`tok.chat`) and which ids stop a sequence (`tok.stop_ids`, `tok.eos_id`; README §7)."""
+    chat, gen = flags.prompt_format == "chat", Path(flags.model or ".") / "generation_config.json"
     tok.chat = chat_renderer(tok, flags.thinking) if chat else None
-    gen = Path(flags.model or ".") / "generation_config.json"
     eos = _load_json_limited(_read_text(gen, "generation config"), gen) if flags.model and gen.exists() else {}
     eos = eos.get("eos_token_id") if isinstance(eos, dict) else None
     default = cfg.eos_token_id if cfg.eos_token_id is not None else fallback
@@ -1660,8 +1617,7 @@ def gsm8k_answer(text: str) -> float | None:
 
 
 def extract_answer(text: str, lenient: bool = False) -> float | None:
-    """A completion's final answer as a number, or None, by README §7's rules in order: only the text after the last
-    '</think>' counts; the last '\\boxed{...}'; '####'; 'answer is'; lenient only, the last number of the text."""
+    """A completion's final answer as a number, or None, by README §7's rules (after '</think>': boxed, ####, ...)."""
     if "<think>" in text and "</think>" not in text:
         return None  # a thought never closed has no answer
     text = text.rsplit("</think>", 1)[-1]
@@ -1757,16 +1713,14 @@ def arithmetic_problems(n: int, seed: int, max_value: int = 9) -> list[dict]:
 
 
 def reward_fn(completion: str, reference: str, kind: str = "strict") -> float:
-    """The training reward: a scorer ("strict"/"lenient"), or "digits", the share of digit characters in the
-    completion: a smoke-test reward that gives a gradient even to a random model."""
+    """The training reward: `gsm8k_score`'s, or "digits", the completion's share of digits (smoke tests' gradient)."""
     if kind == "digits":
         return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
     return gsm8k_score(completion, reference, kind)
 
 
 def loop_cost_reward(task_reward: float, exit_loops: list[int], loop_cost: float) -> float:
-    """The task reward minus loop_cost x the sequence's mean exit loop: with sampled exits, GRPO trades accuracy
-    against depth; loop_cost 0 is plain GRPO (and a sequence with no tokens costs nothing)."""
+    """The task reward minus loop_cost x the sequence's mean exit loop (if it has tokens): accuracy against depth."""
     return task_reward - loop_cost * sum(exit_loops) / len(exit_loops) if loop_cost and exit_loops else task_reward
 
 
@@ -1786,17 +1740,15 @@ class LoopOutputs:
 
 
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
-    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> every loop's
-    logits (R, B, T, V) and gate logits (R, B, T); loop r passes all B*T rows through the layers with its own K/V."""
+    """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
     seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
     pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
     h = model.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
-        kv_shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
-        k = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
-        v = [torch.zeros(kv_shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
+        shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
+        k, v = [[torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers] for _ in "kv"]
         h = model.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
         logits.append(model.readout(h, numerics).view(B, T, -1))
         gates.append(model.gate_logits(h, numerics).view(B, T))
@@ -1804,13 +1756,11 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
 
 
 def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
-    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)), averaged over masked tokens: out `loop_outputs`,
-    targets (B, T) long the next tokens, mask (B, T) bool; the entropy bonus keeps the gate off a single depth."""
+    """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)) over masked tokens (the entropy spreads the exits)."""
     lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
     p = torch.cat([lam[:-1] * survive[:-1], survive[-1:]])  # (R, B, T) exit distribution: p_R takes the rest
-    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none")
-    ce = ce.view_as(p)  # (R, B, T)
+    ce = F.cross_entropy(out.logits.float().flatten(0, 2), targets.expand_as(p).flatten(), reduction="none").view_as(p)
     entropy = -(p * torch.log(p.clamp_min(1e-12))).sum(0)  # (B, T)
     per_token = (p * ce).sum(0) - beta * entropy  # (B, T)
     return (per_token * mask).sum() / mask.sum().clamp_min(1)
@@ -1819,8 +1769,7 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, beta=0.05, seed=0, log=print
 ) -> float:
-    """Supervised steps on gold answers with the Ouro objective (completion tokens only). Returns the
-    last loss. Makes GRPO start from a model whose pass rate is between 0 and 1."""
+    """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
@@ -1844,8 +1793,7 @@ def sft_warm_start(
 def evaluate(
     model: LoopedLM, tok, problems: list[dict], policy: Policy = Policy(), *, max_new_tokens=16, batch_size=100, seed=0
 ) -> dict:
-    """Greedy held-out accuracy (strict) with its standard error, each problem's score, generated tokens' exit-loop
-    histogram and mean, and tokens per second of rollout; sampled exits are drawn with `seed`, so they repeat."""
+    """Greedy held-out accuracy (strict), its standard error and parts, exit loops and speed (sampled exits: `seed`)."""
     correct, exits, seconds = [], [], 0.0
     greedy = dataclasses.replace(policy, temperature=0.0, stop_ids=tok.stop_ids)
     for i in range(0, len(problems), batch_size):
@@ -1866,35 +1814,22 @@ def evaluate(
     }
 
 
-def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
-    """The mean gain on the same problems and its standard error (from the per-problem differences)."""
-    d = [a - b for a, b in zip(after, before)]
-    mean = sum(d) / len(d)
-    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
-
-
 # --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
-MAX_BENCH_BATCH = 4096  # the bench draws this many prompts at most
+MAX_BATCH = 4096  # the bench draws this many prompts at most
 DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
 STOP_IDS_HELP = "ids that end a completion (default: generation_config.json's eos_token_id, else config.json's"
 CONFIGS = Path(__file__).with_name("tiny_configs")
-# NOTE: every real flag has an upper bound, because finite is not enough: 1e308 is finite, and a temperature, lr,
-# KL or loop-cost weight that large overflows (or flattens) everything after hours of work, while an --atol or
-# --flip-margin that large passes any engine. The bounds are far beyond sense: temperature 100 (logits / 100 are
-# uniform to a few parts in a thousand), lr 1 (an AdamW step moves every weight by ~lr), 1000 for beta and the loop
-# cost (rewards lie in [0, 1]), atol 1000 nats (e^-1000 underflows float64), flip margin 1 (CDF - threshold <= 1).
+# NOTE: every real flag has an upper bound, far beyond sense: a finite 1e308 lr overflows, an --atol passes any engine.
 
 
 def _flag(default, help: str, **meta):
-    """A field that is also a flag (`_` written `-`). meta: argparse's `choices` and `required`; `within` (lo, hi) or
-    (lo, hi, "(]") for numbers, closed unless the brackets say otherwise; `pattern` a regex the value must match;
-    `path` "file"/"folder" to read, `out` "file"/"folder" to write; `exclusive` "required" or "optional": the
-    command's one mutually exclusive group (--model or --config)."""
+    """A field that is also a flag (`_` written `-`). meta: argparse's `choices`, `required`; `within` (lo, hi[, "(]"]),
+    closed by default; `pattern`; `path`/`out` "file"/"folder"; `exclusive` "required"/"optional" (--model/--config)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -1969,9 +1904,7 @@ def check_flags(flags) -> None:
             _check_path(v, f.metadata["path"], name)
         if "out" in f.metadata:
             _check_out(v, f.metadata["out"], name)
-    # the rules between flags
-    n = getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)
-    if n > MAX_COUNT:
+    if (n := getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)) > MAX_COUNT:  # between flags
         raise ValueError(f"--prompts-per-step x --group-size = {n:,} sequences per step; at most {MAX_COUNT:,}")
     if getattr(flags, "exit_policy", None) == "sampled" and flags.exit_rule != "survival":
         raise ValueError(
@@ -1988,29 +1921,22 @@ def check_flags(flags) -> None:
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # NOTE: CUDA kernels run asynchronously: time only after this
-
-
 def _timed(device: torch.device, fn: Callable):
-    """(seconds, fn()), the device synchronized on both sides."""
-    _sync(device)
-    t = time.perf_counter()
-    res = fn()
-    _sync(device)
+    """(seconds, fn()), the device synchronized on both sides (NOTE: CUDA kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
+    t, res = time.perf_counter(), fn()
+    sync(device)
     return time.perf_counter() - t, res
 
 
 def bf16_slowdown(cfg: Config, device: str | torch.device = "cpu") -> dict[str, float]:
-    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32:
-    {"rows_1", "rows_32", "worst"}. NOTE: one CPU thread: on busy cores OpenMP's threads wait for each other and a
-    timing turns into scheduler ticks (10 ms for a 0.1 ms matmul); the ratio is the instruction set's."""
+    """How many times slower a bfloat16 matmul is than a float32 one here, at this model's MLP shape, 1 row and 32."""
     device, gen = torch.device(device), torch.Generator().manual_seed(0)
     w32 = torch.randn(cfg.intermediate_size, cfg.hidden_size, generator=gen).to(device)  # (I, C)
     calls = max(1, 2**22 // w32.numel())  # tiny shapes: many calls per timing, so it is not all timer noise
     threads, ratios = torch.get_num_threads(), {}
-    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    torch.set_num_threads(1 if device.type == "cpu" else threads)  # NOTE: busy cores make OpenMP threads wait
     try:
         for n in (1, 32):
             x32 = torch.randn(n, cfg.hidden_size, generator=gen).to(device)  # (n, C)
@@ -2048,8 +1974,7 @@ EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copie
 
 @dataclass
 class TrainConfig:
-    """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it
-    (`DEMO_PRESET`). `train()` checks it (`check_flags`) before any work starts."""
+    """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it (`DEMO_PRESET`)."""
 
     config: str = _flag(
         str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)", path="file", exclusive="optional"
@@ -2077,9 +2002,7 @@ class TrainConfig:
     exit_policy: str = _flag(
         "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
     )
-    loop_cost: float = _flag(
-        0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1000.0)
-    )
+    loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1e3))
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
@@ -2115,8 +2038,7 @@ class TrainConfig:
 
 
 def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
-    """One JSON-ready record per sequence (README, Contract §8): token k read out at position len(prompt)-1+k,
-    after exit loop exit_loops[k]; log-probs of the distribution sampled, or `raw` (`raw_logprobs`) when given."""
+    """One JSON-ready record per sequence (README, Contract §8): log-probs of the distribution sampled, or `raw`."""
     sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
     records = []
@@ -2129,8 +2051,7 @@ def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
 
 
 def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
-    """(B, N) the tokens' log-probs as vLLM's default logprobs_mode "raw_logprobs" reports them: log_softmax of
-    the unscaled, unfiltered logits, from a replay of the rollout's own calls (the very logits it sampled from)."""
+    """(B, N) the tokens' log-probs as vLLM's "raw_logprobs": of the plain logits, replayed (the very ones sampled)."""
     plain = dataclasses.replace(ro.policy, temperature=1.0, top_k=0, top_p=1.0)
     return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
 
@@ -2138,32 +2059,26 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
 def export_rounded(
     master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up in magnitude with
-    probability (distance to the lower one) / gap, so the copy's mean is the master. error-feedback: master +
-    residual to the nearest, the new error kept in `residual`: the copies' sum is the masters' up to one residual."""
+    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up with probability (distance
+    to the lower) / gap, the mean is the master. error-feedback: master + `residual` to the nearest, the error kept."""
     if rule == "error-feedback":
         target = master + residual
         copy = target.to(torch.bfloat16)
         residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
         return copy
     if rule == "stochastic":
-        # NOTE: a bfloat16 is the top 16 bits of a float32. Adding a uniform 16-bit integer to the bits and
-        # dropping the low 16 carries into the kept bits (one step away from zero) with probability (dropped
-        # bits) / 2^16: the master's distance from the lower magnitude over the gap, for either sign.
+        # NOTE: a bfloat16 is a float32's top 16 bits: uniform 16-bit noise carries away from 0 w.p. (low bits) / 2^16
         noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
         return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
     return master.to(torch.bfloat16)
 
 
 class MasterWeights:
-    """The optimizer `train` hands grpo_update below float32: AdamW on float32 masters, the model (the copy that
-    rolls out, replays and is teacher-forced) exported from them after every step; the copy's gradient is theirs.
-    NOTE: the masters start as the copy's exact float32 value: step 1 samples what a plain bfloat16 run samples."""
+    """The optimizer below float32: AdamW on float32 masters, the model (the copy) exported from them every step."""
 
     def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
         self.copies, self.rounding = list(model.parameters()), rounding
-        self.masters = [p.detach().float() for p in self.copies]
-        self.start = [p.detach().clone() for p in self.copies]
+        self.masters, self.start = [p.detach().float() for p in self.copies], [p.detach().clone() for p in self.copies]
         self.residuals = [torch.zeros_like(m) for m in self.masters] if rounding == "error-feedback" else None
         self.gen = torch.Generator(model.device).manual_seed(seed)
         self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
@@ -2190,17 +2105,14 @@ class MasterWeights:
         self.opt.load_state_dict(state["optimizer"])  # AdamW casts moments saved in another dtype to float32
         if "masters" not in state:  # a float32 run, or an old in-place bfloat16 one: the masters are its weights
             return
-        e = state["exporter"]
-        mine = self.masters + self.start + (self.residuals or [])
+        e, mine = state["exporter"], self.masters + self.start + (self.residuals or [])
         for a, b in zip(mine, state["masters"] + e["start"] + (e["residuals"] or []), strict=True):
             a.copy_(b)
         self.gen.set_state(e["generator"])
 
     @torch.no_grad()
     def lag(self) -> dict:
-        """How far the copy trails the masters: export/lag = |copy - masters| / |masters - start| (1: the
-        copy has not moved; 0: it is the masters), and export/reached = <copy - start, masters - start> /
-        |masters - start|^2, the share of the masters' movement the copy has made (expected 1 when unbiased)."""
+        """How far the copy trails the masters: export/lag (0: not at all), export/reached (its share of their move)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.masters[0].device)  # moved², behind², dot
         for m, c, s in zip(self.masters, self.copies, self.start):
             moved, behind, made = m - s.float(), c.float() - m, c.float() - s.float()  # float32, summed in float64
@@ -2215,8 +2127,7 @@ class MasterWeights:
 def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems, dist: dict, out) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
     rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
-    t0 = time.time()
-    gen = torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
+    t0, gen = time.time(), torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
     pick = torch.randint(len(problems), (P,), generator=gen).tolist()
     mine = range(rank * P // world, (rank + 1) * P // world)  # prompts sharded by global index
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
@@ -2231,8 +2142,7 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    t1 = time.time()
-    m = grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
+    t1, m = time.time(), grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
         "reward": float(rw.mean()),
@@ -2272,9 +2182,7 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
-    """The HF-layout model (for users; below float32 the exported copy) and trainer_state.pt (for --resume), each
-    written atomically. NOTE: resume reads only trainer_state.pt, so a crash between the two writes never pairs one
-    step's weights with another's optimizer."""
+    """The HF-layout model and trainer_state.pt, each written atomically (--resume reads only trainer_state.pt)."""
     model.save_pretrained(out)
     opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
     state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
@@ -2282,9 +2190,7 @@ def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) 
 
 
 def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
-    """Logs continue the checkpoint: lines of steps after it (a run that died later) are dropped, and so is a torn
-    last line (a run killed mid-write), reported; any other bad line is an error naming the file and line. Rank 0
-    also removes the temp files of interrupted atomic writes (.NAME.tmpPID) whose process is gone."""
+    """Logs continue the checkpoint: later steps' lines and a torn last line are dropped; stale temp files removed."""
     out.mkdir(parents=True, exist_ok=True)
     temps = [t for t in sorted(out.glob(".*.tmp*")) if t.name.rpartition(".tmp")[2].isdigit() and t.is_file()]
     for tmp in temps if rank == 0 else []:
@@ -2295,8 +2201,7 @@ def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], N
             say(f"removed {tmp} (left by an interrupted write)")
         except PermissionError:
             pass
-    logs = [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]
-    for log_file in filter(Path.exists, logs):
+    for log_file in filter(Path.exists, [out / "metrics.jsonl"] * (rank == 0) + [out / f"rollouts.rank{rank}.jsonl"]):
         lines, keep = _read_text(log_file, "log").splitlines(), []
         for lineno, line in enumerate(lines, 1):
             try:
@@ -2329,8 +2234,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
 
 
 def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
-    """The model, tokenizer and problems; then the resumed state (or the warm start), the optimizer (below float32:
-    `MasterWeights`) and the frozen KL reference. Returns those and the step to start from."""
+    """The model, tokenizer, problems, optimizer and KL reference, resumed (or warm-started), and the step to start."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
             f"--prompts-per-step {cfg.prompts_per_step} must be divisible by the number of processes {dist['world']}"
@@ -2358,8 +2262,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
-    model = model.to(dtype=DTYPES[cfg.dtype], device=device)  # a checkpoint is there already; a config casts now
-    grpo = cfg.grpo()
+    model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
     else:
@@ -2374,15 +2277,11 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL or the built-in task. `on_start(model,
-    tok)` runs after the warm start, before the first GRPO step (the demo measures its "before" accuracy there).
-    Returns {"model", "tokenizer", "history": a metrics dict per step}."""
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1. Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
-    dist = _distributed_setup(cfg)
-    rank = dist["rank"]
-    say = log if rank == 0 else (lambda *_: None)
+    dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
+    rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
-    out = Path(cfg.out) if cfg.out else None
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
         say(slow)
@@ -2445,8 +2344,7 @@ def schedule_to_json(schedule: Schedule) -> str:
 
 
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json` (missing keys read as the defaults), its calls checked here
-    (`execute_call` trusts them): rows sorted, unique, the readout among them."""
+    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls checked (`execute_call` trusts)."""
     d = json.loads(text)
     calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
     for c in calls:
@@ -2458,8 +2356,7 @@ def schedule_from_json(text: str) -> Schedule:
 
 
 def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
-    """A text picture for readers (as in `rollout`'s docstring): a line per position, a column per loop, each
-    cell the number of the call that computed it ('·' where that loop of that position was never computed)."""
+    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none)."""
     cells = {(p, c.loop): i for i, c in enumerate(schedule.calls) for b, p in c.rows if b == seq}
     if not cells:
         return f"(sequence {seq} has no rows)"
@@ -3222,9 +3119,7 @@ def cmd_verify(args) -> int:
 
 
 def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
-    """The prompts of `rollout --prompts`, as ids: {"prompt_ids": [...]} or {"prompt": "text"} per line (text
-    through `tok`, the checkpoint's tokenizer.json or bytes, and its chat template under --prompt-format chat;
-    "prompt_ids" wins where both are given). Every problem is a ValueError naming the file and line."""
+    """The prompts of `rollout --prompts` as ids: {"prompt_ids": [...]} or {"prompt": "text"} (via `tok`) per line."""
     prompts, V, limit = [], cfg.vocab_size, cfg.max_position_embeddings
     for lineno, d in read_jsonl(flags.prompts):
         where = f"{flags.prompts}:{lineno}"
@@ -3280,20 +3175,17 @@ def cmd_rollout(args) -> int:
 
 @torch.no_grad()
 def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, threshold: float) -> list[int]:
-    """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops
-    (greedy). The bench's baseline for the cache; the same policy as a dense rollout."""
+    """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops (greedy, dense)."""
     ids = list(prompt)
-    R = model.config.total_ut_steps
     for _ in range(max_new_tokens):
         out = loop_outputs(model, torch.tensor([ids], device=model.device))
-        e = exit_loop(out.gate_logits[:, 0, -1], R, threshold)
+        e = exit_loop(out.gate_logits[:, 0, -1], model.config.total_ut_steps, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
     return ids[len(prompt) :]
 
 
 def _reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: of resident memory (Linux: writing 5 to /proc/self/clear_refs resets VmHWM) and,
-    on CUDA, of allocated device memory."""
+    """Start a new peak of resident memory (Linux: 5 to /proc/self/clear_refs resets VmHWM) and of CUDA memory."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:  # not Linux, or not allowed: the peak then runs from the start of the process
@@ -3303,8 +3195,7 @@ def _reset_peak_memory(device: torch.device) -> None:
 
 
 def _peak_resident_bytes(since_reset: bool = True) -> int:
-    """Peak resident memory, interpreter and torch included: since the last `_reset_peak_memory` (VmHWM),
-    else (or off Linux) over the process's life (ru_maxrss)."""
+    """Peak resident memory (interpreter and torch included) since `_reset_peak_memory`, else (ru_maxrss) ever."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines() if since_reset else ():
             if line.startswith("VmHWM:"):
@@ -3317,8 +3208,7 @@ def _peak_resident_bytes(since_reset: bool = True) -> int:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
-    """Memory bandwidth in bytes/s: the best of 5 copies of a 256 MiB buffer, each byte counted once read
-    and once written (STREAM's convention). The roofline's bound: decoding reads every weight per call."""
+    """Bytes/s of the best of 5 copies of 256 MiB, each byte read and written (STREAM's): the roofline's bound."""
     src = torch.ones(nbytes // 4, device=device)  # (n,) float32
     dst = torch.empty_like(src)
     seconds = [_timed(device, lambda: dst.copy_(src))[0] for _ in range(6)]
@@ -3326,24 +3216,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
-    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, and the
-    position's latest loop output h and its depth. At Ouro-1.4B in bf16: K/V 2 x 16 heads x 128 x 2 bytes
-    x 24 layers x 4 loops = 786,432 bytes, so 64 sequences x 512 positions need ~26 GB for K/V alone."""
+    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth."""
     b = dtype.itemsize
     kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
     return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
 
 
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
-    """Bytes of weights and K/V that a rollout's calls read (a lower bound on its memory traffic): every call
-    reads the layers, the final norm and the exit gate, lm_head if it reads rows out, and for each of its
-    sequences K and V of every layer at positions up to its last one."""
+    """Bytes of weights and K/V that a rollout's calls read: a lower bound on its memory traffic."""
     cfg, b = model.config, model.dtype.itemsize
     body = (model.model.layers, model.model.norm, model.model.early_exit_gate)
-    per_call = b * sum(p.numel() for m in body for p in m.parameters())
-    head = b * model.lm_head.weight.numel()
-    kv_position = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers
-    total = 0
+    per_call, head = b * sum(p.numel() for m in body for p in m.parameters()), b * model.lm_head.weight.numel()
+    kv_position, total = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers, 0
     for c in ro.schedule.calls:
         Tk = max(p for _, p in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
         total += per_call + (head if c.readout else 0) + len({s for s, _ in c.rows}) * Tk * kv_position
@@ -3354,8 +3238,7 @@ def _fmt_bytes(n: float) -> str:
     return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
 
 
-# A measurement's table rows (what, text) and its summary figures, keyed without the dtype's suffix.
-Measured = tuple[list[tuple[str, str]], dict]
+Measured = tuple[list[tuple[str, str]], dict]  # a measurement's table rows (what, text) and its summary figures
 Runs = dict[str, tuple[Rollout, list[float]]]  # per mode (dense, deferred): the last rollout and every time
 
 
@@ -3366,8 +3249,7 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
 
 
 class _BenchSetup:
-    """What every measurement of `bench` shares: the flags, the config, the prompts, the machine's figures
-    and (toy) the weights that every dtype loads."""
+    """What every measurement of `bench` shares: flags, config, prompts, the machine's figures, (toy) the weights."""
 
     def __init__(self, args):
         self.args, self.real = args, args.model is not None  # real: a checkpoint's shapes, where some measures shrink
@@ -3397,19 +3279,8 @@ def _bench_rollout(
     return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
 
 
-def _bf16_matmul(slowdown: dict[str, float]) -> Measured:
-    """bfloat16 against float32 matmul speed at this model's MLP shape (and a warning when it is slow)."""
-    text = f"x{slowdown['rows_1']:.2f} at 1 row, x{slowdown['rows_32']:.2f} at 32 rows (this model's MLP shape)"
-    rows = [("bf16 / fp32 matmul", text)]
-    if warning := bf16_warning(slowdown):
-        rows.append(("", warning))
-    return rows, {"bf16_over_fp32_matmul": slowdown["worst"]}
-
-
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
-    """Dense and deferred rollouts of B prompts, --repeats times each, alternating (drift hits both alike):
-    tokens/s against the ideal (their ratio of calls), and the roofline: the share of the copy bandwidth each
-    reaches (decoding reads every weight once per call, prefill included). Also returns the runs."""
+    """Dense and deferred rollouts of B prompts, alternating: tokens/s against the ideal, the roofline; and the runs."""
     _bench_rollout(s, model, s.prompts[:B], "deferred")  # warm-up
     runs = {"dense": (None, []), "deferred": (None, [])}
     for _ in range(s.args.repeats):
@@ -3417,10 +3288,8 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
             dt, ro = _timed(s.device, lambda: _bench_rollout(s, model, s.prompts[:B], m))
             runs[m] = (ro, runs[m][1] + [dt])
     (ro_dense, t_dense), (ro_def, t_def) = runs["dense"], runs["deferred"]
-    tokens = int(ro_def.mask.sum())
-    med_dense, med_def = statistics.median(t_dense), statistics.median(t_def)
-    speedup = med_dense / med_def
-    ideal = len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
+    tokens, med_dense, med_def = int(ro_def.mask.sum()), statistics.median(t_dense), statistics.median(t_def)
+    speedup, ideal = med_dense / med_def, len(ro_dense.schedule.calls) / len(ro_def.schedule.calls)
     mean_exit = sum(map(sum, ro_def.exit_loops)) / tokens
     same = ro_dense.completions == ro_def.completions and ro_dense.exit_loops == ro_def.exit_loops
     speed = (
@@ -3441,9 +3310,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
 
 
 def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
-    """Replay against a deferred rollout (toy: batch 8), and whether replay equals the rollout (and the
-    dense one) bitwise. With --model the rollouts timed last serve: at 1.4 B parameters each costs seconds.
-    Also returns the deferred rollout and the rollout's times, which the learner's figures reuse."""
+    """Replay's time against a deferred rollout's, and whether it is bitwise equal; and the rollout and its times."""
     (ro_dense, _), (ro, rt) = runs["dense"], runs["deferred"]
     rt, rp = (rt, []) if s.real else ([], [])
     for _ in range(s.args.repeats):
@@ -3452,8 +3319,7 @@ def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rol
             rt.append(dt)
         dt, replay = _timed(s.device, lambda: replay_logprobs(model, ro))
         rp.append(dt)
-    ratio = statistics.median(rp) / statistics.median(rt)
-    bitwise = torch.equal(replay, ro.logprobs)
+    ratio, bitwise = statistics.median(rp) / statistics.median(rt), torch.equal(replay, ro.logprobs)
     bitwise_dense = torch.equal(replay_logprobs(model, ro_dense), ro_dense.logprobs)
     text = f"{ratio:.3f} (replay equals the rollout bitwise: {bitwise}; the dense rollout's: {bitwise_dense})"
     figures = {"replay_over_rollout": round(ratio, 3), "replay_bitwise": bitwise and bitwise_dense}
@@ -3488,12 +3354,10 @@ def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[f
 def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
     """The mismatch the hybrid removes: a naive learner's log-probs (teacher-forced) against the sampler's."""
     with torch.no_grad():
-        naive = teacher_forced_logprobs(model, ro)
-        hyb = learner_logprobs(model, ro)[0]
+        naive, hyb = teacher_forced_logprobs(model, ro), learner_logprobs(model, ro)[0]
     m, sampler = ro.mask.to(model.device), ro.logprobs.to(model.device)
-    d = (naive - sampler).abs()[m]
+    d, dh = (naive - sampler).abs()[m], (hyb - sampler).abs()[m]
     clipped = ((torch.exp(naive - sampler) - 1).abs() > 0.2)[m].float().mean()
-    dh = (hyb - sampler).abs()[m]
     text = (
         f"mean |Δ| {float(d.mean()):.2e}, max {float(d.max()):.2e}, "
         f"{100 * float(clipped):.2f}% of tokens outside ratio 1±0.2; hybrid: max |Δ| {float(dh.max()):.1e}"
@@ -3502,11 +3366,9 @@ def _naive_vs_hybrid(model: LoopedLM, ro: Rollout) -> Measured:
 
 
 def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
-    """The KV cache against recomputing the whole sequence for every new token (greedy, batch 1), for a
-    GSM8K-sized prompt and for the short bench prompt (--model: the short one, --new-tokens only)."""
-    n = s.args.new_tokens if s.real else s.args.cache_tokens
+    """The KV cache against recomputing each token (greedy, batch 1), for a GSM8K-sized prompt and the short one."""
+    rows, figures, n = [], {}, s.args.new_tokens if s.real else s.args.cache_tokens
     prompts = (("_short", s.prompts[0]),) if s.real else (("", s.cache_prompt), ("_short", s.prompts[0]))
-    rows, figures = [], {}
     for name, prompt in prompts:
         t_rec, ids_rec = _timed(s.device, lambda: recompute_rollout(model, prompt, n, s.threshold))
         t_cached, ro = _timed(s.device, lambda: _bench_rollout(s, model, [prompt], "dense", n, greedy=True))
@@ -3518,8 +3380,7 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
 
 
 def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
-    """The KV cache per token and what fits beside the weights (in --memory-gb, else the device's memory or
-    the machine's); the peaks of the load and of the run."""
+    """The KV cache per token, what fits beside the weights (--memory-gb, else the device's or machine's), the peaks."""
     cfg, weights = s.cfg, load["weights"]
     kv = kv_cache_bytes_per_token(cfg, dtype)
     lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
@@ -3537,11 +3398,10 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
         f"{_fmt_bytes(memory)} less {_fmt_bytes(weights)} of weights holds {fit:,} tokens: "
         + ", ".join(f"batch {fit // T:,} x {T}" for T in lengths)
     )
-    peak_run = _peak_resident_bytes()
-    on_device = ""
+    peak_run, on_device = _peak_resident_bytes(), ""
     if s.device.type == "cuda":
-        peak_run_device = torch.cuda.max_memory_allocated(s.device)
-        on_device = f"; on {s.device}: load {_fmt_bytes(load['peak_device'])}, run {_fmt_bytes(peak_run_device)}"
+        run_device = _fmt_bytes(torch.cuda.max_memory_allocated(s.device))
+        on_device = f"; on {s.device}: load {_fmt_bytes(load['peak_device'])}, run {run_device}"
     peaks = (
         f"weights {_fmt_bytes(weights)}; load {load['seconds']:.1f}s, peak resident {_fmt_bytes(load['peak'])} "
         f"(x{load['peak'] / weights:.2f} the weights; interpreter and torch included); run: peak resident "
@@ -3553,8 +3413,7 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
 
 
 def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return,
-    before the next dtype's load is measured)."""
+    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return)."""
     dtype = DTYPES[dtype_name]
     _reset_peak_memory(s.device)
     if s.real:
@@ -3563,12 +3422,9 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
     else:
         t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
         model.load_state_dict(s.base.state_dict())
-    load = {
-        "seconds": t_load,
-        "peak": _peak_resident_bytes(),
-        "peak_device": torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None,
-        "weights": sum(p.numel() for p in model.parameters()) * dtype.itemsize,
-    }
+    peak, weights = _peak_resident_bytes(), sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    peak_device = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None
+    load = {"seconds": t_load, "peak": peak, "peak_device": peak_device, "weights": weights}
     _reset_peak_memory(s.device)
     measured = []
     for B in s.batches:
@@ -3580,11 +3436,14 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput and its roofline, replay and learner cost, the KV cache, memory and the
-    mismatch the hybrid removes, in bfloat16 and float32 (or --dtype): a table, then its figures as one JSON
-    line. --model DIR benches a real checkpoint's shapes, with the cuts the output's second line lists."""
-    s = _BenchSetup(args)
-    measured = [("bfloat16", _bf16_matmul(s.slowdown))] if s.slowdown is not None else []
+    """Dense vs deferred throughput, replay, learner, KV cache, memory and the hybrid's mismatch: a table, then JSON."""
+    s, measured = _BenchSetup(args), []
+    if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
+        text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
+        rows = [("bf16 / fp32 matmul", text)]
+        if warning := bf16_warning(sd):
+            rows.append(("", warning))
+        measured.append(("bfloat16", (rows, {"bf16_over_fp32_matmul": sd["worst"]})))
     for dtype_name in s.dtypes:
         measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
     peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
@@ -3595,9 +3454,8 @@ def cmd_bench(args) -> int:
     print(
         f"bench: {args.model if s.real else os.path.relpath(args.config)} (R={s.cfg.total_ut_steps}, "
         f"L={s.cfg.num_hidden_layers}, C={s.cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, "
-        f"{args.new_tokens} new tokens, "
-        f"median of {args.repeats}, gate bias {'unchanged' if s.gate_bias is None else s.gate_bias}, "
-        f"exit threshold {s.threshold}"
+        f"{args.new_tokens} new tokens, median of {args.repeats}, gate bias "
+        f"{'unchanged' if s.gate_bias is None else s.gate_bias}, exit threshold {s.threshold}"
     )
     if s.real:
         print(
@@ -3718,9 +3576,7 @@ class BenchFlags:
     )
     dtype: str = _flag("both", "model dtype(s)", choices=("both", "bfloat16", "float32"))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
-    batch: int | None = _flag(
-        None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BENCH_BATCH)
-    )
+    batch: int | None = _flag(None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BATCH))
     new_tokens: int = _flag(32, "new tokens per rollout", within=(1, MAX_COUNT))
     cache_tokens: int = _flag(128, "new tokens for the cache comparison", within=(1, MAX_COUNT))
     cache_prompt: int = _flag(
@@ -3750,14 +3606,12 @@ def cmd_train(cfg: TrainConfig) -> int:
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one JSON line: rank 0's
-        mismatched = sum(m.get("exact/mismatched_tokens", 0) for m in h)
-        reward = h[-1]["reward"] if h else None
+        mismatched, reward = sum(m.get("exact/mismatched_tokens", 0) for m in h), h[-1]["reward"] if h else None
         print(json.dumps({"steps": len(h), "reward_last": reward, "mismatched_tokens": mismatched, "out": cfg.out}))
     return 0
 
 
-# The demo is a TrainConfig preset: the fields it exposes as flags, each with the demo's default and help
-# (and, optionally, metadata that differs), plus flags of its own; `DEMO_FIXED` are set without a flag.
+# The demo is a TrainConfig preset (see `_preset_flags`), plus flags of its own; `DEMO_FIXED` are set without a flag.
 DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
     "sft_steps": (220, "warm-start steps"),
@@ -3807,8 +3661,7 @@ DemoFlags = _preset_flags("DemoFlags", TrainConfig, DEMO_PRESET)
 def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
     """Accuracy per GRPO step (and its running mean), the held-out accuracies, and the mean exit loop."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [m["step"] for m in history]
-    acc = [m["accuracy"] for m in history]  # the reward too, unless --loop-cost or another --reward
+    steps, acc = [m["step"] for m in history], [m["accuracy"] for m in history]  # = reward if no --loop-cost/--reward
     smooth = [sum(acc[max(0, i - 9) : i + 1]) / len(acc[max(0, i - 9) : i + 1]) for i in range(len(acc))]
     ax.plot(steps, acc, label="accuracy of sampled completions (T=1)", alpha=0.35)
     ax.plot(steps, smooth, label="accuracy, mean of last 10 steps")
@@ -3823,31 +3676,13 @@ def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
     return fig
 
 
-def _demo_summary(before: dict, after: dict, gain: tuple[float, float], history: list[dict], flags, t0: float) -> dict:
-    both = {"before": before, "after": after}
-    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
-    return (
-        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
-        | {"gain": round(gain[0], 4)}
-        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
-        | {"gain_se": round(gain[1], 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
-        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
-        | {"exit_histogram": after["exit_histogram"]}
-        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
-        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
-        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
-        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
-    )
-
-
 def cmd_demo(flags) -> int:
     """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
     cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
     fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
-    held_out, before = fresh[: flags.eval_problems], {}
-    policy = cfg.policy(())  # evaluate() makes it greedy, with the tokenizer's EOS
+    held_out, before, policy = fresh[: flags.eval_problems], {}, cfg.policy(())  # evaluate() makes it greedy
 
     def report(when: str, r: dict, note: str) -> None:
         print(
@@ -3865,17 +3700,31 @@ def cmd_demo(flags) -> int:
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
     after = evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens)
-    gain, gain_se = paired_gain(before["correct"], after["correct"])
+    d = [a - b for a, b in zip(after["correct"], before["correct"])]  # paired: the gain on each problem
+    gain = sum(d) / len(d)
+    gain_se = math.sqrt(sum((x - gain) ** 2 for x in d) / max(1, len(d) - 1) / len(d))  # sample variance / n
     report("GRPO:      ", after, f"gain {gain:+.3f} ± {gain_se:.3f}, paired")
     print("exit loops of generated tokens (held-out, after GRPO):")
     for r, c in enumerate(hist := after["exit_histogram"], 1):
         print(f"  loop {r}: {c:6d}  {'#' * round(40 * c / max(1, sum(hist)))}")
     if flags.out:
-        save_plot(
-            Path(flags.out) / "demo.png",
-            lambda plt: _plot_history(plt, history, model.config.total_ut_steps, before, after),
-        )
-    print(json.dumps(_demo_summary(before, after, (gain, gain_se), history, flags, t0)))
+        R = model.config.total_ut_steps
+        save_plot(Path(flags.out) / "demo.png", lambda plt: _plot_history(plt, history, R, before, after))
+    both = {"before": before, "after": after}
+    diffs = {k: [m.get(f"sampling/{k}_logp_difference/max", 0.0) for m in history] for k in ("sampling", "naive")}
+    summary = (
+        {f"accuracy_{w}": r["accuracy"] for w, r in both.items()}
+        | {"gain": round(gain, 4)}
+        | {f"accuracy_{w}_se": round(r["stderr"], 4) for w, r in both.items()}
+        | {"gain_se": round(gain_se, 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
+        | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
+        | {"exit_histogram": after["exit_histogram"]}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
+        | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
+        | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
+        | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
+    )
+    print(json.dumps(summary))
     return 0
 
 
@@ -3940,8 +3789,7 @@ def main(argv: list[str] | None = None) -> int:
         flags = flags_from_args(args)
         check_flags(flags)  # every flag, before any work
         return COMMANDS[args.command][1](flags)
-    # bad input, a read-only or full disk, a file vanished mid-run: one line naming the flag or file, no traceback
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # bad input, a full disk, a file vanished mid-run: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 
