@@ -2833,7 +2833,7 @@ class Calibration:
     diffs: list[torch.Tensor]  # per layout (all tokens,) float64 |calibration - reference| log-prob, in file order
     max_exit_diff: float  # the largest |calibration - reference| exit log-prob (sampled exits; else 0)
     max_cdf_diff: float  # the largest |calibration - reference| exit CDF, before loop R (rule's dtype, `_violations`)
-    flips: int  # its own exits other than the rule's on the reference's gates (threshold records; most of the layouts)
+    flips: int  # its own exits other than the rule's on the reference's gates (threshold records; first layout)
 
     def options(self, opts: VerifyOptions, atol: float | None = None, flip_margin: float | None = None):
         """opts with atol (unless given) CALIBRATION_FACTOR times the largest log-prob or exit log-prob difference, and
@@ -2863,35 +2863,36 @@ class Calibration:
 
 def calibrate(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions, dtype: torch.dtype):
     """The `Calibration` of records `recs` against their reference `results`: the model cast to `dtype` teacher-forces
-    them at their recorded exits in two layouts, opts.batch_size and half as many sequences per pass."""
+    them at their recorded exits in two layouts, opts.batch_size and half as many sequences per pass (exits: 1st)."""
     cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
     tau = model.config.early_exit_threshold if opts.threshold is None else opts.threshold
     cdf = _survival_cdf if opts.exit_rule == "survival" else _hf_cdf
-    diffs, exit_diff, cdf_diff, flips = [], 0.0, 0.0, [0] * len(layouts)
+    diffs, exit_diff, cdf_diff, flips = [], 0.0, 0.0, 0
     for layout, size in enumerate(layouts):
         diff = [torch.zeros(0, dtype=torch.float64)] * len(recs)  # per record (n,)
         for chunk in _batches(recs, size):
             ro = records_rollout([recs[i] for i in chunk], opts)
             lp, exit_lp, gates, _, _ = _teacher_force(cal, ro, None, _sampling(recs[chunk[0]])[3] == "raw")
+            ref_g = torch.full(gates.shape, math.nan, dtype=torch.float64)  # (B, N, R) the reference's gates
             for b, i in enumerate(chunk):
                 n, res = len(recs[i]["completion_ids"]), results[i]
-                diff[i] = (lp[b, :n] - res.logprobs).abs()
+                diff[i], ref_g[b, :n] = (lp[b, :n] - res.logprobs).abs(), res.gates
                 if res.exit_logprobs is not None:  # sampled exits: draws, no rule to flip
                     exit_diff = max(exit_diff, float((exit_lp[b, :n] - res.exit_logprobs).abs().max()))
-                    continue
-                ref_g = res.gates.to(opts.rule_dtype or dtype)  # (n, R) the gates `_violations` reads
-                moved = (cdf(gates[b, :n], R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (n, R-1)
-                cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])  # NaN: a loop not run
-                ran = (~gates[b, :n].isnan()).sum(1)  # (n,) the loops run: R, but under last_exited
-                for j in sorted(set(ran.tolist())) if tau is not None else ():  # the rule as `_verify_batch` runs it
-                    rows = (ran == j).nonzero()[:, 0]
-                    mine, rule = (
-                        exit_loops(g[rows, :j], R, tau, opts.min_loops, opts.exit_rule) for g in (gates[b], ref_g)
-                    )
-                    flips[layout] += sum(e != rule_e for e, rule_e in zip(mine, rule))
+                    ref_g[b] = math.nan
+            sel = ~ref_g[:, :, 0].isnan() & (layout == 0)  # (B, N) the threshold rule's tokens, in the first layout
+            g, ref_g = gates[sel], ref_g[sel].to(opts.rule_dtype or dtype)  # (k, R) the gates `_violations` reads
+            moved = (cdf(g, R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (k, R-1); NaN: a loop not run
+            cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])
+            ran = (~g.isnan()).sum(1)  # (k,) the loops run: R, but under last_exited
+            for j in sorted(set(ran.tolist())) if tau is not None else ():  # the rule as `_verify_batch` runs it
+                mine, rule = (
+                    exit_loops(x[ran == j][:, :j], R, tau, opts.min_loops, opts.exit_rule) for x in (g, ref_g)
+                )
+                flips += sum(e != rule_e for e, rule_e in zip(mine, rule))
         diffs.append(torch.cat(diff))
-    return Calibration(dtype, layouts, diffs, exit_diff, cdf_diff, max(flips))
+    return Calibration(dtype, layouts, diffs, exit_diff, cdf_diff, flips)
 
 
 def _quantile(sorted_values: torch.Tensor, q: float) -> float:
