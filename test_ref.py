@@ -79,9 +79,9 @@ with warnings.catch_warnings():
 SLOW_JOBS: dict[str, tuple[bool, object]] = {}  # test name: (first?, job(folder, forks) -> what it checks)
 
 
-def slow_job(test_name: str, first: bool = False):
-    def register(job):
-        SLOW_JOBS[test_name] = (first, job)
+def slow_job(*test_names: str, first: bool = False):
+    def register(job):  # one job may serve several tests: it runs once if any of them is selected
+        SLOW_JOBS.update((name, (first, job)) for name in test_names)
         return job
 
     return register
@@ -110,7 +110,11 @@ def slow_jobs(request, tmp_path_factory):
     forks = ForkServer()
     try:
         with ThreadPoolExecutor(2, initializer=_yield_the_cpu) as pool:
-            yield {n: pool.submit(SLOW_JOBS[n][1], tmp_path_factory.mktemp(n[5:25]), forks) for n in names}
+            started = {}  # job -> its Future
+            for n in names:
+                job = SLOW_JOBS[n][1]
+                started.setdefault(job, pool.submit(job, tmp_path_factory.mktemp(n[5:25]), forks))
+            yield {n: started[SLOW_JOBS[n][1]] for n in names}
     finally:
         forks.close()
 
@@ -2808,7 +2812,9 @@ BF16 = ["--engine-dtype", "bfloat16"]
 FALSE_ALARM_SEEDS = int(os.environ.get("SCALERLT_FALSE_ALARM_SEEDS", "1"))  # the README's figure: 20
 
 
-@slow_job("test_planted_bugs_fail_verify_at_bfloat16_defaults")
+@slow_job(
+    "test_planted_bugs_fail_verify_at_bfloat16_defaults", "test_no_false_alarms_on_the_reference_own_bfloat16_rollouts"
+)
 def _bf16_oracle_job(tmp: Path, forks) -> dict:
     code = "import json, pathlib, sys, torch, test_ref\ntorch.set_num_threads(1)\n"
     code += "json.dump(test_ref.bf16_oracle_runs(pathlib.Path(sys.argv[1]), int(sys.argv[2])), open(sys.argv[3], 'w'))"
@@ -2839,7 +2845,7 @@ def test_no_false_alarms_on_the_reference_own_bfloat16_rollouts(slow_jobs, model
     """Correct bfloat16 engines (the reference's own rollouts, and the same with RoPE in float32) pass `verify
     --engine-dtype bfloat16` at its defaults, dense and deferred, both exit rules (SCALERLT_FALSE_ALARM_SEEDS
     seeds, default 1; README: 20); and so does a KV-copy engine (`--kv last_exited`, seed 0)."""
-    runs = slow_jobs["test_planted_bugs_fail_verify_at_bfloat16_defaults"].result()
+    runs = slow_jobs["test_no_false_alarms_on_the_reference_own_bfloat16_rollouts"].result()
     correct = {k: v for k, v in runs.items() if k.startswith(f"{model}/correct/")}
     assert len(correct) == 8 * FALSE_ALARM_SEEDS + 2, sorted(correct)
     for case, (rc, s) in correct.items():
