@@ -2485,8 +2485,8 @@ class VerifyOptions:
     atol: float = 1e-3  # the largest accepted |recorded - reference| log-prob (a float32 engine's)
     flip_margin: float = 1e-3  # the largest |CDF - threshold| of a near-threshold flip (a float32 engine's)
     sampler_alpha: float = 1e-3  # the sampler test fails below this p-value
-    calibrate: bool = False  # rerun the reference in the engine's dtype and judge by it (`calibrate`)
-    alpha: float = 1e-3  # the calibrated rank test fails below this p-value
+    calibrate: bool = False  # rerun the reference in the engine's dtype and judge by it (`measure_calibration`)
+    alpha: float = 1e-3  # the calibrated rank and flip tests fail below this p-value
 
     @classmethod
     def for_engine(
@@ -2744,9 +2744,26 @@ def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exi
     return violations
 
 
+def _batches(recs: list[dict], size: int) -> list[list[int]]:
+    """The indices of the records with a completion in passes of at most `size`, one sampling (`_sampling`) each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, rec in enumerate(recs):
+        if rec["completion_ids"]:
+            groups.setdefault(_sampling(rec), []).append(i)
+    return [idx[c : c + size] for idx in groups.values() for c in range(0, len(idx), size)]
+
+
+def _rule_exits(gates: torch.Tensor, ran: torch.Tensor, opts: VerifyOptions) -> torch.Tensor:
+    """The exit rule at k positions: gates (k, R) of which the first ran (k,) loops were run -> exits (k,), -1: none."""
+    out = torch.full(ran.shape, -1, dtype=torch.long)
+    for j in sorted(set(ran.tolist())):
+        decided = exit_loops(gates[ran == j][:, :j], gates.shape[1], opts.threshold, opts.min_loops, opts.exit_rule)
+        out[ran == j] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+    return out
+
+
 def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
     """`verify_records` for records of one sampling (`_sampling`), in one teacher-forced pass of all of them."""
-    R = model.config.total_ut_steps
     ro = records_rollout(recs, opts)
     # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), so that
     # the results do not depend on the batch.
@@ -2755,15 +2772,11 @@ def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: V
         gen = torch.Generator().manual_seed(sampler_seed(opts.seed, i))
         uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
     lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, _sampling(recs[0])[3] == "raw")
-    # The rule at every producing position at once, positions grouped by the loops they ran (all R, except under
-    # kv="last_exited"), on the reference's gates rounded to the engine's dtype: an engine decides from gates in
-    # its own dtype, and HF's arithmetic rounds differently in each.
+    # The rule at every producing position at once, on the reference's gates rounded to the engine's dtype: an
+    # engine decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
     rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
     rule_exits = torch.full(ro.mask.shape, -1, dtype=torch.long)  # (B, N) -1: undecided
-    for j in sorted(set(ran[ro.mask].tolist())):
-        sel = ro.mask & (ran == j)  # (B, N)
-        decided = exit_loops(rule_gates[sel][:, :j], R, opts.threshold, opts.min_loops, opts.exit_rule)
-        rule_exits[sel] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+    rule_exits[ro.mask] = _rule_exits(rule_gates[ro.mask], ran[ro.mask], opts)
     results = []
     for b, (i, rec) in enumerate(zip(indices, recs)):
         n = len(rec["completion_ids"])
@@ -2803,15 +2816,6 @@ def verify_records(
     return [results[i] for i in range(len(recs))]
 
 
-def _batches(recs: list[dict], size: int) -> list[list[int]]:
-    """The indices of the records with a completion in passes of at most `size`, one sampling (`_sampling`) each."""
-    groups: dict[tuple, list[int]] = {}
-    for i, rec in enumerate(recs):
-        if rec["completion_ids"]:
-            groups.setdefault(_sampling(rec), []).append(i)
-    return [idx[c : c + size] for idx in groups.values() for c in range(0, len(idx), size)]
-
-
 def verify_record(model: LoopedLM, rec: dict, opts: VerifyOptions = VerifyOptions(), index: int = 0) -> VerifyResult:
     """`verify_records` for one record (`index`: its place in its file, which seeds its sampler test)."""
     return verify_records(model, [rec], opts, first_index=index)[0]
@@ -2826,7 +2830,7 @@ NOISE_ROOM = 1.5  # the distribution tests: a correct engine may err up to this 
 
 @dataclass
 class Calibration:
-    """The reference in the engine's dtype against the reference, on the records being checked (`calibrate`)."""
+    """The reference in the engine's dtype against itself, on the records being checked (`measure_calibration`)."""
 
     dtype: torch.dtype
     layouts: list[int]  # sequences per teacher-forced pass, one entry per layout
@@ -2854,43 +2858,36 @@ class Calibration:
         return {name: {"statistic": z, "p_value": min(1.0, p * len(tests))} for name, (z, p) in tests.items()}
 
     def flip_test(self, engine_flips: int) -> float:
-        """The p-value of an engine's exits other than the rule's (flips and violations) being no more than
-        NOISE_ROOM times as frequent as the calibration's: the two counts' split given their sum, one-sided."""
+        """p that an engine's exits off the rule (flips, violations) are at most NOISE_ROOM x the calibration's."""
         n, q = engine_flips + self.flips, torch.tensor(NOISE_ROOM / (1 + NOISE_ROOM), dtype=torch.float64)
         tail = torch.arange(engine_flips, n + 1, dtype=torch.float64)  # engine shares at least its own
         return min(1.0, float(torch.distributions.Binomial(n, probs=q).log_prob(tail).exp().sum()))
 
 
-def calibrate(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions, dtype: torch.dtype):
-    """The `Calibration` of records `recs` against their reference `results`: the model cast to `dtype` teacher-forces
-    them at their recorded exits in two layouts, opts.batch_size and half as many sequences per pass (exits: 1st)."""
+def measure_calibration(model: LoopedLM, recs: list[dict], results: list, opts: VerifyOptions, dtype: torch.dtype):
+    """The `Calibration` of records `recs` against their `VerifyResult`s: the model cast to `dtype` teacher-forces them
+    at their recorded exits in two layouts, opts.batch_size and half as many sequences a pass (exits: the first)."""
     cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
-    tau = model.config.early_exit_threshold if opts.threshold is None else opts.threshold
+    opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
     cdf = _survival_cdf if opts.exit_rule == "survival" else _hf_cdf
     diffs, exit_diff, cdf_diff, flips = [], 0.0, 0.0, 0
     for layout, size in enumerate(layouts):
         diff = [torch.zeros(0, dtype=torch.float64)] * len(recs)  # per record (n,)
         for chunk in _batches(recs, size):
             ro = records_rollout([recs[i] for i in chunk], opts)
-            lp, exit_lp, gates, _, _ = _teacher_force(cal, ro, None, _sampling(recs[chunk[0]])[3] == "raw")
+            lp, exit_lp, gates, ran, _ = _teacher_force(cal, ro, None, _sampling(recs[chunk[0]])[3] == "raw")
             ref_g = torch.full(gates.shape, math.nan, dtype=torch.float64)  # (B, N, R) the reference's gates
             for b, i in enumerate(chunk):
                 n, res = len(recs[i]["completion_ids"]), results[i]
                 diff[i], ref_g[b, :n] = (lp[b, :n] - res.logprobs).abs(), res.gates
                 if res.exit_logprobs is not None:  # sampled exits: draws, no rule to flip
                     exit_diff = max(exit_diff, float((exit_lp[b, :n] - res.exit_logprobs).abs().max()))
-                    ref_g[b] = math.nan
-            sel = ~ref_g[:, :, 0].isnan() & (layout == 0)  # (B, N) the threshold rule's tokens, in the first layout
-            g, ref_g = gates[sel], ref_g[sel].to(opts.rule_dtype or dtype)  # (k, R) the gates `_violations` reads
+            ruled = torch.tensor([["exit_logprobs" not in recs[i]] for i in chunk]) & ro.mask & (layout == 0)  # (B, N)
+            g, ref_g, ran = gates[ruled], ref_g[ruled].to(opts.rule_dtype or dtype), ran[ruled]  # `_violations`' gates
             moved = (cdf(g, R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (k, R-1); NaN: a loop not run
             cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])
-            ran = (~g.isnan()).sum(1)  # (k,) the loops run: R, but under last_exited
-            for j in sorted(set(ran.tolist())) if tau is not None else ():  # the rule as `_verify_batch` runs it
-                mine, rule = (
-                    exit_loops(x[ran == j][:, :j], R, tau, opts.min_loops, opts.exit_rule) for x in (g, ref_g)
-                )
-                flips += sum(e != rule_e for e, rule_e in zip(mine, rule))
+            flips += int((_rule_exits(g, ran, opts) != _rule_exits(ref_g, ran, opts)).sum())
         diffs.append(torch.cat(diff))
     return Calibration(dtype, layouts, diffs, exit_diff, cdf_diff, flips)
 
@@ -3042,12 +3039,11 @@ def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary:
         hx.text(0.5, 0.5, "no sampled (temperature > 0) records", ha="center", va="center")
     hx.set_xlabel("randomized PIT under the reference policy")
     if cal is not None:
-        c, cal_diff = cx[0], cal.diffs[0].clamp_min(1e-17)
-        p, dt = summary["calibration"]["rank_p_value"], summary["calibration"]["dtype"]
+        c, cal_diff, p = cx[0], cal.diffs[0].clamp_min(1e-17), summary["calibration"]["rank_p_value"]
         for d, label in ((diff, "engine"), (cal_diff, "calibration"), (NOISE_ROOM * cal_diff, f"x {NOISE_ROOM:g}")):
             c.plot(d.sort().values, torch.linspace(0, 1, d.numel()), label=label)
         c.set(xscale="log", xlabel="|recorded - reference| log-prob", ylabel="share of tokens at or below")
-        c.set_title(f"the reference in {dt}: rank test p = {'-' if p is None else f'{p:.3g}'}", fontsize=9)
+        c.set_title(f"the reference in {str(cal.dtype)[6:]}: rank p = {'-' if p is None else f'{p:.3g}'}", fontsize=9)
         c.legend(fontsize=7)
     return fig
 
@@ -3081,7 +3077,11 @@ def cmd_verify(args) -> int:
 
     try:
         results = verify_records(model, records, opts, on_batch=progress)
-        cal = calibrate(model, records, results, opts, getattr(torch, args.engine_dtype)) if opts.calibrate else None
+        cal = (
+            measure_calibration(model, records, results, opts, getattr(torch, args.engine_dtype))
+            if opts.calibrate
+            else None
+        )
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)

@@ -2692,8 +2692,8 @@ def test_flip_test_is_the_binomial_tail():
 
 
 # Planted bugs in a bfloat16 engine, each a modified copy of a piece of the reference's forward, and the models they
-# are checked on: tiny.json, demo.json and the shape of README's table (random weights, init seed 0 as `verify
-# --config` builds them). `_bf16_oracle_job` runs every case in a fork, the tests below check what it found.
+# are checked on: tiny.json, demo.json and the shape that motivated calibration (README; random weights, init seed 0
+# as `verify --config` builds them). `_bf16_oracle_job` runs every case in a fork, the tests below check what it found.
 TABLE_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4)
 TABLE_SHAPE |= dict(num_key_value_heads=2, total_ut_steps=4, early_exit_threshold=0.6, initializer_range=0.1)
 BF16_MODELS = {"tiny": TINY_JSON, "demo": str(HERE / "tiny_configs" / "demo.json"), "table": "table.json"}
