@@ -2699,8 +2699,8 @@ TABLE_SHAPE |= dict(num_key_value_heads=2, total_ut_steps=4, early_exit_threshol
 BF16_MODELS = {"tiny": TINY_JSON, "demo": str(HERE / "tiny_configs" / "demo.json"), "table": "table.json"}
 PLANTED_BUGS = ("rope_theta_doubled", "no_norm_between_loops", "exits_one_loop_late", "kv_of_the_previous_loop", "t0.9")
 CORRECT_ENGINES = ("reference", "rope_in_float32")  # another correct arithmetic: RoPE applied in float32, then rounded
-# The check that catches each bug (README, "Self-calibration"), and the prompts x new tokens it needs: RoPE's error
-# grows with the position, and demo.json's small random weights barely use positions before ~20.
+# The check that catches each bug (README, "Self-calibration"). demo.json's RoPE bug is run at 32 x 32 tokens: RoPE's
+# error grows with the position, and demo.json's small random weights barely use positions before ~20.
 CAUGHT_BY = {"rope_theta_doubled": "rank_test", "no_norm_between_loops": "rank_test", "t0.9": "rank_test"}
 CAUGHT_BY |= {"exits_one_loop_late": "flip_test", "kv_of_the_previous_loop": "logprobs"}
 
