@@ -2864,9 +2864,11 @@ class Calibration:
         return min(1.0, float(torch.distributions.Binomial(n, probs=q).log_prob(tail).exp().sum()))
 
 
-def measure_calibration(model: LoopedLM, recs: list[dict], results: list, opts: VerifyOptions, dtype: torch.dtype):
-    """The `Calibration` of records `recs` against their `VerifyResult`s: the model cast to `dtype` teacher-forces them
-    at their recorded exits in two layouts, opts.batch_size and half as many sequences a pass (exits: the first)."""
+def measure_calibration(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions):
+    """The `Calibration` of records `recs` against their `results`: the model cast to the engine's dtype
+    (opts.rule_dtype) teacher-forces them at their exits in two layouts, opts.batch_size and half as many sequences
+    a pass (the exit statistics: the first)."""
+    dtype = opts.rule_dtype or model.dtype
     cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
     opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
@@ -2884,7 +2886,7 @@ def measure_calibration(model: LoopedLM, recs: list[dict], results: list, opts: 
                 if res.exit_logprobs is not None:  # sampled exits: draws, no rule to flip
                     exit_diff = max(exit_diff, float((exit_lp[b, :n] - res.exit_logprobs).abs().max()))
             ruled = torch.tensor([["exit_logprobs" not in recs[i]] for i in chunk]) & ro.mask & (layout == 0)  # (B, N)
-            g, ref_g, ran = gates[ruled], ref_g[ruled].to(opts.rule_dtype or dtype), ran[ruled]  # `_violations`' gates
+            g, ref_g, ran = gates[ruled], ref_g[ruled].to(dtype), ran[ruled]  # `_violations`' gates
             moved = (cdf(g, R).double() - cdf(ref_g, R).double())[:, : R - 1]  # (k, R-1); NaN: a loop not run
             cdf_diff = max([cdf_diff, *moved.abs().nan_to_num(0.0).flatten().tolist()])
             flips += int((_rule_exits(g, ran, opts) != _rule_exits(ref_g, ran, opts)).sum())
@@ -3077,11 +3079,7 @@ def cmd_verify(args) -> int:
 
     try:
         results = verify_records(model, records, opts, on_batch=progress)
-        cal = (
-            measure_calibration(model, records, results, opts, getattr(torch, args.engine_dtype))
-            if opts.calibrate
-            else None
-        )
+        cal = measure_calibration(model, records, results, opts) if opts.calibrate else None
     except (ValueError, NonFiniteError) as e:  # bad input: exit 2; a model that computes NaN: a failure
         i = getattr(e, "index", 0)
         print(f"error: {args.rollouts}:{records[i]['line']}: sequence {i}, {e}", file=sys.stderr)
