@@ -2700,7 +2700,9 @@ TABLE_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=192, num_hi
 TABLE_SHAPE |= dict(num_key_value_heads=2, total_ut_steps=4, early_exit_threshold=0.6, initializer_range=0.1)
 BF16_MODELS = {"tiny": TINY_JSON, "demo": str(HERE / "tiny_configs" / "demo.json"), "table": "table.json"}
 PLANTED_BUGS = ("rope_theta_doubled", "no_norm_between_loops", "exits_one_loop_late", "kv_of_the_previous_loop", "t0.9")
-CORRECT_ENGINES = ("reference", "rope_in_float32")  # another correct arithmetic: RoPE applied in float32, then rounded
+# Correct engines: the reference's own rollouts in every mode and rule; another arithmetic (RoPE in float32, then
+# rounded) in one; a KV-copy engine (`--kv last_exited`) on seed 0.
+CORRECT_CASES = [("reference", m, r) for m in S.MODES for r in S.EXIT_RULES] + [("rope_in_float32", "deferred", "hf")]
 # The check that catches each bug (README, "Self-calibration"). demo.json's RoPE bug is run at 32 x 32 tokens: RoPE's
 # error grows with the position, and demo.json's small random weights barely use positions before ~20.
 CAUGHT_BY = {"rope_theta_doubled": "rank_test", "no_norm_between_loops": "rank_test", "t0.9": "rank_test"}
@@ -2752,7 +2754,7 @@ def _engine_records(
     cfg_path, bug=None, seed=0, mode="deferred", rule="hf", prompts=6, new=16, kv="exact"
 ) -> list[dict]:
     """Records of a bfloat16 engine of the model `verify --config cfg_path --init-seed seed` checks against, with
-    one planted bug (PLANTED_BUGS) or none (CORRECT_ENGINES): fast numerics, temperature 1 (the bug "t0.9": 0.9,
+    one planted bug (PLANTED_BUGS) or none (CORRECT_CASES): fast numerics, temperature 1 (the bug "t0.9": 0.9,
     recorded as 1)."""
     cfg = S.load_config(cfg_path)
     engine = S.LoopedLM(cfg, seed=seed)
@@ -2789,8 +2791,8 @@ def _verify_main(argv: list[str]) -> tuple[int, dict]:
 
 def bf16_oracle_runs(tmp: Path, seeds: int) -> dict:
     """Every planted bug on every model (6 x 16 tokens; demo.json's RoPE bug 32 x 32), and the correct engines'
-    bfloat16 rollouts for `seeds` seeds (init and sampling) on every model, dense and deferred, both exit rules,
-    each through `verify --engine-dtype bfloat16` at its defaults: {case: [exit status, summary]}."""
+    bfloat16 rollouts (CORRECT_CASES) for `seeds` seeds (init and sampling) on every model, each through `verify
+    --engine-dtype bfloat16` at its defaults: {case: [exit status, summary]}."""
     (tmp / "table.json").write_text(json.dumps(TABLE_SHAPE))
     out = {}
     for name, cfg in BF16_MODELS.items():
@@ -2799,14 +2801,13 @@ def bf16_oracle_runs(tmp: Path, seeds: int) -> dict:
             size = dict(prompts=32, new=32) if (name, bug) == ("demo", "rope_theta_doubled") else {}
             recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, bug, **size))
             out[f"{name}/{bug}"] = _verify_main(["--config", cfg, "--rollouts", str(recs), "--exit-rule", "hf"] + BF16)
-        for engine, seed, mode, rule in itertools.product(CORRECT_ENGINES, range(seeds), S.MODES, S.EXIT_RULES):
+        for seed, (engine, mode, rule) in itertools.product(range(seeds), CORRECT_CASES):
             recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, engine, seed, mode, rule))
             argv = ["--config", cfg, "--init-seed", str(seed), "--rollouts", str(recs), "--exit-rule", rule, *BF16]
             out[f"{name}/correct/{engine}/{seed}/{mode}/{rule}"] = _verify_main(argv)
-        for rule in S.EXIT_RULES:  # a KV-copy engine, checked as one
-            recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, None, 0, "deferred", rule, kv="last_exited"))
-            argv = ["--config", cfg, "--rollouts", str(recs), "--exit-rule", rule, "--kv", "last_exited", *BF16]
-            out[f"{name}/correct/last_exited/0/deferred/{rule}"] = _verify_main(argv)
+        recs = _write_records(tmp / "r.jsonl", _engine_records(cfg, None, 0, "deferred", "hf", kv="last_exited"))
+        argv = ["--config", cfg, "--rollouts", str(recs), "--exit-rule", "hf", "--kv", "last_exited", *BF16]
+        out[f"{name}/correct/last_exited/0/deferred/hf"] = _verify_main(argv)
     return out
 
 
@@ -2844,12 +2845,12 @@ def test_planted_bugs_fail_verify_at_bfloat16_defaults(slow_jobs, model):
 @slow
 @pytest.mark.parametrize("model", BF16_MODELS)
 def test_no_false_alarms_on_the_reference_own_bfloat16_rollouts(slow_jobs, model):
-    """Correct bfloat16 engines (the reference's own rollouts, and the same with RoPE in float32) pass `verify
-    --engine-dtype bfloat16` at its defaults, dense and deferred, both exit rules (SCALERLT_FALSE_ALARM_SEEDS
-    seeds, default 1; README: 20); and so does a KV-copy engine (`--kv last_exited`, seed 0)."""
+    """Correct bfloat16 engines (CORRECT_CASES: the reference's own rollouts, dense and deferred, both exit rules;
+    RoPE in float32; a KV-copy engine) pass `verify --engine-dtype bfloat16` at its defaults
+    (SCALERLT_FALSE_ALARM_SEEDS seeds, default 1; README: 20)."""
     runs = slow_jobs["test_no_false_alarms_on_the_reference_own_bfloat16_rollouts"].result()
     correct = {k: v for k, v in runs.items() if k.startswith(f"{model}/correct/")}
-    assert len(correct) == 8 * FALSE_ALARM_SEEDS + 2, sorted(correct)
+    assert len(correct) == len(CORRECT_CASES) * FALSE_ALARM_SEEDS + 1, sorted(correct)
     for case, (rc, s) in correct.items():
         assert rc == 0 and not s["failed_checks"] and s["calibration"]["rank_p_value"] >= 1e-3, (case, s)
         assert s["calibration"]["flip_p_value"] >= 1e-3 and s["sampler_p_value"] >= 1e-3, (case, s)
