@@ -2894,14 +2894,6 @@ def measure_calibration(model: LoopedLM, recs: list[dict], results: list[VerifyR
     return Calibration(dtype, layouts, diffs, exit_diff, cdf_diff, flips)
 
 
-def _quantile(sorted_values: torch.Tensor, q: float) -> float:
-    """The q-quantile of sorted values, interpolated linearly (numpy's default)."""
-    pos, last = q * (sorted_values.numel() - 1), sorted_values.numel() - 1
-    lo = math.floor(pos)
-    hi = min(lo + 1, last)
-    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
-
-
 def _first_mismatch(records: list[dict], results: list[VerifyResult], fails: list[Failures], key: str) -> dict | None:
     """The first token whose recorded `key` ("logprobs" or "exit_logprobs") is over atol, or None."""
     for i, (rec, res, f) in enumerate(zip(records, results, fails)):
@@ -2915,8 +2907,12 @@ def _abs_quantiles(diff: torch.Tensor) -> dict | None:
     """p50, p90, p99 and the max of |differences| (all tokens,); None without tokens."""
     if not diff.numel():
         return None
-    ranked = diff.sort().values
-    return {f"p{round(100 * q)}": _quantile(ranked, q) for q in (0.5, 0.9, 0.99)} | {"max": float(ranked[-1])}
+    ranked, last, quantiles = diff.sort().values, diff.numel() - 1, {}
+    for q in (0.5, 0.9, 0.99):  # interpolated linearly (numpy's default)
+        pos = q * last
+        lo = math.floor(pos)
+        quantiles[f"p{round(100 * q)}"] = float(ranked[lo] + (ranked[min(lo + 1, last)] - ranked[lo]) * (pos - lo))
+    return quantiles | {"max": float(ranked[-1])}
 
 
 def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor, exits) -> dict:
