@@ -1590,8 +1590,7 @@ def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple
     eos = eos if isinstance(eos, list) else [default if eos is None else eos]
     ids = [*(flags.stop_ids or eos), tok.token_id("<|im_end|>") if chat else None, getattr(flags, "eos_id", None)]
     ids = tuple(dict.fromkeys(x for x in ids if x is not None))  # in order, once each
-    bad = [x for x in ids if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < cfg.vocab_size)]
-    if bad:
+    if bad := [x for x in ids if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < cfg.vocab_size)]:
         where = "--stop-ids" if flags.stop_ids else f"{gen} 'eos_token_id'"
         raise ValueError(f"{where}: stop id {bad[0]!r} is not an id in the vocabulary 0..{cfg.vocab_size - 1}")
     tok.stop_ids, tok.eos_id = ids, ids[0] if ids else None
@@ -2337,10 +2336,8 @@ def _sampling(rec: dict) -> tuple[float, int, float, str]:
 
 def schedule_to_json(schedule: Schedule) -> str:
     """A schedule as one JSON object: its policy's fields, dtype, loops and calls (loop, rows, readout)."""
-    calls = [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in schedule.calls]
-    return json.dumps(
-        dataclasses.asdict(schedule.policy) | {"dtype": schedule.dtype, "loops": schedule.loops, "calls": calls}
-    )
+    d = dataclasses.asdict(schedule.policy) | {"dtype": schedule.dtype, "loops": schedule.loops}
+    return json.dumps(d | {"calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in schedule.calls]})
 
 
 def schedule_from_json(text: str) -> Schedule:
@@ -2399,8 +2396,7 @@ class LastExitedKV(ExactKV):
 
     def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
         """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
-        rows = [(b, p) for b, p in call.readout if p > first[b]]
-        if rows:
+        if rows := [(b, p) for b, p in call.readout if p > first[b]]:
             seq, pos = torch.tensor(rows, device=cache.h.device).T  # (n,) each
             for kv in (cache.k, cache.v):
                 for r in range(call.loop, len(kv)):  # 0-based index r is loop r + 1
@@ -2497,10 +2493,9 @@ class VerifyOptions:
         calibrate "auto" (below float32), "on" or "off"."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
         atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
-        calibrate = calibrate == "on" or (calibrate == "auto" and getattr(torch, engine_dtype).itemsize < 4)
-        return cls(
-            atol=atol, flip_margin=flip_margin, rule_dtype=getattr(torch, engine_dtype), calibrate=calibrate, **kw
-        )
+        dtype = getattr(torch, engine_dtype)
+        calibrate = calibrate == "on" or (calibrate == "auto" and dtype.itemsize < 4)
+        return cls(atol=atol, flip_margin=flip_margin, rule_dtype=dtype, calibrate=calibrate, **kw)
 
 
 def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> Rollout:
@@ -2531,8 +2526,7 @@ def _check_reference_finite(
     NonFiniteError when the model did. lp (n,) the record's reference log-probs; gates (n, R) their gate
     logits, of which the first ran (n,) were run."""
     run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
-    bad_gate = (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist()
-    if bad_gate:
+    if bad_gate := (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist():
         k, gates_k = bad_gate[0], gates[bad_gate[0], : ran[bad_gate[0]]].tolist()
         raise NonFiniteError(f"token {k}: the reference exit gate is {gates_k}: the model's gate logits are not finite")
     _, top_k, top_p, _ = _sampling(rec)
@@ -2703,8 +2697,7 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
     undecided = [[None] * len(c) for c in ro.completions]  # every producing row decides: the rule runs at every loop
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        deciding = deciding_rows(call, first.tolist(), undecided)
-        if deciding:
+        if deciding := deciding_rows(call, first.tolist(), undecided):
             b, k = token_index([call.rows[i] for i in deciding])
             gates[b, k, call.loop - 1] = model.gate_logits(h[deciding]).cpu()
             ran[b, k] = call.loop
@@ -2917,9 +2910,8 @@ def _abs_quantiles(diff: torch.Tensor) -> dict | None:
 
 def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor, exits) -> dict:
     """The summary's statistics of recorded - reference log-probs over all tokens: delta, exits (all tokens,)."""
-    diff, n = delta.abs(), delta.numel()
+    diff, n, ratio = delta.abs(), delta.numel(), delta.exp()
     agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
-    ratio = delta.exp()
     return {  # None or {} without tokens
         "exit_agreement": agree / n if n else None,
         "abs_diff_quantiles": _abs_quantiles(diff),
@@ -2967,8 +2959,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     }
     failing = {"logprobs": s["mismatched_tokens"], "exit_logprobs": s["mismatched_exit_logprobs"]}
     failing |= {"exit_rule": s["exit_rule_violations"], "greedy": s["greedy_mismatches"]}
-    failing["stop"] = s["tokens_after_stop"]
-    failing["sampler"] = p_value is not None and p_value < opts.sampler_alpha
+    failing |= {"stop": s["tokens_after_stop"], "sampler": p_value is not None and p_value < opts.sampler_alpha}
     if cal is not None:
         tests = cal.rank_tests(delta.abs(), exits)
         rank_p = min([t["p_value"] for t in tests.values()], default=None)
