@@ -2367,30 +2367,26 @@ def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
 def exit_loop(
     gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> int | None:
-    """The exit rule for one position: gate_logits (j,), its first j <= R loops -> its exit loop, or None
-    while loops 1..j do not decide (what the rollout asks after every loop). `exit_loops` for n = 1."""
+    """`exit_loops` for one position: its first j <= R loops' gate logits (j,) -> its exit loop (None: undecided)."""
     return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
 
 
 def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
-    """The exit CDF of one position after each of its first j <= R loops: (j,) gates -> j floats, as the rule
-    computes it (`_survival_cdf`, `_hf_cdf`: the "hf" CDF's last value need not be exactly 1)."""
+    """One position's exit CDF after each of its first j <= R loops, by the rule: (j,) gates -> j floats."""
     cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
-    return [float(c) for c in cdf]
+    return [float(c) for c in cdf]  # NOTE: the "hf" CDF's last value need not be exactly 1
 
 
 def exit_margin(gate_logits: torch.Tensor, R: int, tau: float, rule: str = "survival") -> torch.Tensor:
-    """CDF_r - tau for r = 1..R (R gates in, R values out), in float64: how far each loop was from
-    exiting, against the threshold its rule compares with (>= 0: the rule exits there, past min_loops)."""
+    """CDF_r - tau for r = 1..R, in float64: how far each loop was from exiting (>= 0: it exits, past min_loops)."""
     cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
     # "hf" compares a model-dtype tensor with a Python float: torch first rounds tau to the gates' dtype
     return cdf - (tau if rule == "survival" else float(torch.tensor(tau, dtype=torch.float64).to(gate_logits.dtype)))
 
 
 class LastExitedKV(ExactKV):
-    """What engines that copy K/V on early exit compute (vLLM-style; Contract §4): a generated position that
-    exits at loop e serves its loop-e K/V to every deeper loop and is never caught up. A *different policy*,
-    only for checking such engines (`--kv last_exited`); these three hooks are the only places it acts."""
+    """Engines that copy K/V on early exit (vLLM-style; Contract §4): a generated position exiting at loop e serves its
+    loop-e K/V to every deeper loop, never caught up: a *different policy*, to check such engines (--kv last_exited)."""
 
     prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
 
@@ -2488,9 +2484,8 @@ class VerifyOptions:
     def for_engine(
         cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, calibrate="auto", **kw
     ) -> VerifyOptions:
-        """Options for an engine that computed in `engine_dtype` (a key of ENGINE_TOLERANCES, a torch dtype's
-        name): its tolerances (unless atol or flip_margin is given), the exit rule evaluated in its dtype, and
-        calibrate "auto" (below float32), "on" or "off"."""
+        """Options for an engine that computed in `engine_dtype` (ENGINE_TOLERANCES): its tolerances unless given, the
+        exit rule evaluated in its dtype, and calibrate "auto" (below float32), "on" or "off"."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
         atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
         dtype = getattr(torch, engine_dtype)
@@ -2499,10 +2494,8 @@ class VerifyOptions:
 
 
 def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> Rollout:
-    """Records (of one sampling, `_sampling`) as one Rollout to teacher-force under opts' kv, exit rule and
-    min_loops: B = len(recs), N the longest completion; logprobs and exit_logprobs (B, N) float64 (0 where a
-    record has none) and mask (B, N) bool, padded; no schedule. Records of sampled exits (with "exit_logprobs")
-    make the teacher-forced pass compute exit log-probs."""
+    """Records of one sampling (`_sampling`) as one Rollout to teacher-force under opts' kv, exit rule and min_loops:
+    (B, N) float64 log-probs padded with 0, no schedule; records with "exit_logprobs" make its exits sampled."""
     n = [len(r["completion_ids"]) for r in recs]
 
     def padded(key: str) -> torch.Tensor:  # (B, N) float64
@@ -2521,10 +2514,8 @@ def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> 
 def _check_reference_finite(
     model: LoopedLM, rec: dict, kv: str, lp: torch.Tensor, gates: torch.Tensor, ran: torch.Tensor
 ) -> None:
-    """Refuse to compare against a reference that is not a number (|NaN - x| > atol is False: NaN would
-    pass). ValueError when the record's temperature caused it (the logits are finite at temperature 1),
-    NonFiniteError when the model did. lp (n,) the record's reference log-probs; gates (n, R) their gate
-    logits, of which the first ran (n,) were run."""
+    """Refuse a reference that is not a number (|NaN - x| > atol is False: NaN would pass): ValueError when the record's
+    temperature caused it (finite at temperature 1), else NonFiniteError. lp, gates, ran: as from `_teacher_force`."""
     run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
     if bad_gate := (run & ~torch.isfinite(gates)).any(dim=1).nonzero()[:, 0].tolist():
         k, gates_k = bad_gate[0], gates[bad_gate[0], : ran[bad_gate[0]]].tolist()
@@ -2619,8 +2610,7 @@ class Failures:
 
 @dataclass
 class VerifyResult:
-    """One record checked against the reference (`verify_records`); n its completion's length, tensors
-    (n,) float64. `diff` and `exit_diff` are |delta| and |exit_delta|."""
+    """One record checked against the reference (`verify_records`); tensors (n,) float64, n its completion's length."""
 
     logprobs: torch.Tensor  # the reference's log-probs, recomputed teacher-forced
     delta: torch.Tensor  # recorded - reference
@@ -2643,9 +2633,8 @@ class VerifyResult:
 
     @classmethod
     def of(cls, rec: dict, lp, exit_lp, policy, violations=(), rule_exits=(), gates=None) -> VerifyResult:
-        """The result of record `rec` from the reference's figures per token, (n,) float64 tensors: log-probs
-        lp, exit log-probs exit_lp (read for sampled exits only), and policy, the PIT (temperature > 0) or
-        the greedy gap (temperature 0); the violations, the rule's exits and the gates as `_verify_batch` found them."""
+        """The result of record `rec` from the reference's (n,) float64 log-probs lp, exit log-probs exit_lp (sampled
+        exits only) and policy (the PIT, or at temperature 0 the greedy gap); the rest as `_verify_batch` finds them."""
         sampled, sampled_exits = rec["temperature"] > 0, "exit_logprobs" in rec
         return cls(
             logprobs=lp,
@@ -2719,9 +2708,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
 
 
 def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list, opts: VerifyOptions):
-    """A record's exit loops against the rule's: {"token", "recorded", "rule", "margin"} per disagreement, margin
-    = CDF - threshold where the two part (tiny: a near-threshold flip; large: a wrong depth; None: no threshold
-    explains it)."""
+    """A record's exit loops against the rule's: {"token", "recorded", "rule", "margin"} per disagreement, margin =
+    CDF - threshold where the two part (tiny: a near-threshold flip; large: a wrong depth; None: no threshold does)."""
     R, tau, min_loops, sampled_exits = rule_gates.shape[1], opts.threshold, opts.min_loops, "exit_logprobs" in rec
     violations = []
     for k, (e, rule_e) in enumerate(zip(rec["exit_loops"], rule_exits)):
@@ -2792,11 +2780,9 @@ def verify_records(
     first_index: int = 0,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[VerifyResult]:
-    """Recompute records teacher-forced (model dtype), `opts.batch_size` sequences of one sampling per pass:
-    each token's log-prob at its recorded exit loop, the exit rule at every producing position (on the gates
-    rounded to `opts.rule_dtype`, the engine's), and the policy for the sampler test (uniforms from
-    `sampler_seed(opts.seed, first_index + i)`). A `VerifyResult` per record; `on_batch(done)` reports progress;
-    a ValueError or NonFiniteError carries the failing record's index in `recs` as `.index`."""
+    """Recompute records teacher-forced (model dtype), `opts.batch_size` of one sampling a pass: each token's log-prob
+    at its recorded exit loop, the exit rule (on gates rounded to `opts.rule_dtype`), the sampler test (`sampler_seed`
+    of opts.seed and first_index + i). A ValueError or NonFiniteError carries the failing record's index as `.index`."""
     if opts.threshold is None:
         opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
     empty = torch.zeros(0, dtype=torch.float64)  # nothing was generated: nothing to recompute
@@ -2858,9 +2844,8 @@ class Calibration:
 
 
 def measure_calibration(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions):
-    """The `Calibration` of records `recs` against their `results`: the model cast to the engine's dtype
-    (opts.rule_dtype) teacher-forces them at their exits in two layouts, opts.batch_size and half as many sequences
-    a pass (the exit statistics: the first)."""
+    """The `Calibration` of `recs` against their `results`: the model cast to opts.rule_dtype teacher-forces them in two
+    layouts, opts.batch_size and half as many sequences a pass (the exit statistics: the first)."""
     dtype = opts.rule_dtype or model.dtype
     cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
@@ -2921,9 +2906,8 @@ def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: to
 
 
 def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, cal=None) -> dict:
-    """The verdict and statistics of `verify`, its JSON summary (README, "Checking a bfloat16 engine", says what
-    each number means), judged at opts' tolerances (`Calibration.options`) and, with a `Calibration` `cal`, by its
-    rank tests too. "passed": no check in "failed_checks" (`VerifyResult.failures`, the sampler and rank tests)."""
+    """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"), judged at opts' tolerances and, with
+    a `Calibration` `cal`, by its rank and flip tests too. "passed": no check in "failed_checks"."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
@@ -3007,8 +2991,7 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
 
 
 def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary: dict, R: int, cal=None):
-    """|Δ log-prob| per token (log scale) coloured by exit loop, the sampler test's histogram and, with a
-    `Calibration` `cal`, the distributions of |Δ| of the engine and of the calibration (and its NOISE_ROOM times)."""
+    """|Δ log-prob| per token by exit loop, the sampler test's histogram, and (with `cal`) engine vs calibration |Δ|."""
     fig, (ax, hx, *cx) = plt.subplots(1, 2 if cal is None else 3, figsize=(11 if cal is None else 16, 4))
     diff = torch.cat([r.diff for r in results] or [torch.zeros(0)]).clamp_min(1e-17)  # log scale: no zeros
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]])
