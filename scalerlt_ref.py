@@ -2058,14 +2058,13 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
 def export_rounded(
     master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """A float32 master rounded to bfloat16 by `rule`. nearest: ties to even. stochastic: up with probability (distance
-    to the lower) / gap, the mean is the master. error-feedback: master + `residual` to the nearest, the error kept."""
-    if rule == "error-feedback":
+    """A float32 master rounded to bfloat16 by `rule` (EXPORT_ROUNDINGS; nearest: ties to even)."""
+    if rule == "error-feedback":  # master + `residual` to the nearest, the error kept in `residual`
         target = master + residual
         copy = target.to(torch.bfloat16)
         residual.copy_(target - copy.float())  # exact (Sterbenz: the two are within a factor of 2)
         return copy
-    if rule == "stochastic":
+    if rule == "stochastic":  # up with probability (distance to the lower) / gap: the mean is the master
         # NOTE: a bfloat16 is a float32's top 16 bits: uniform 16-bit noise carries away from 0 w.p. (low bits) / 2^16
         noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
         return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
@@ -2570,9 +2569,8 @@ def kolmogorov_sf(lam: float) -> float:
 
 
 def ks_uniform(values) -> tuple[float, float]:
-    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value), D = sup |F_n(x) - x|. The
-    p-value: the Kolmogorov distribution at (sqrt(n) + 0.12 + 0.11 / sqrt(n)) * D, Stephens' finite-n correction
-    (within ~1% of the exact p-value from n = 5 on, where p-values near 1e-3 matter). No scipy needed."""
+    """One-sample Kolmogorov-Smirnov test of `values` against U(0, 1): (D, p-value), D = sup |F_n(x) - x|, the p-value
+    with Stephens' finite-n correction (within ~1% of the exact one from n = 5 on, where ~1e-3 matters). No scipy."""
     u = torch.as_tensor(values, dtype=torch.float64).flatten().sort().values  # (n,)
     n = u.numel()
     if n == 0:
@@ -2819,8 +2817,7 @@ class Calibration:
     flips: int  # its own exits other than the rule's on the reference's gates (threshold records; first layout)
 
     def options(self, opts: VerifyOptions, atol: float | None = None, flip_margin: float | None = None):
-        """opts with atol (unless given) CALIBRATION_FACTOR times the largest log-prob or exit log-prob difference, and
-        the flip margin FLIP_FACTOR times the largest exit-CDF one; each at least that times the dtype's epsilon."""
+        """opts with atol and flip margin (unless given) CALIBRATION_FACTOR, FLIP_FACTOR x the largest differences."""
         eps, diffs = torch.finfo(self.dtype).eps, [float(d.max()) for d in self.diffs if d.numel()]
         atol = CALIBRATION_FACTOR * max([eps, self.max_exit_diff, *diffs]) if atol is None else atol
         margin = FLIP_FACTOR * max(eps, self.max_cdf_diff) if flip_margin is None else flip_margin
@@ -2829,8 +2826,7 @@ class Calibration:
     def rank_tests(self, diff: torch.Tensor, exits: torch.Tensor) -> dict[str, dict]:
         """`rank_test` of the engine's |delta| against NOISE_ROOM times each layout's, over all tokens and per exit loop
         (exits) with 10 tokens or more: the layouts' largest p times the number of tests (Bonferroni)."""
-        groups = {"all": exits > 0} | {str(r): exits == r for r in exits.unique().tolist()}
-        tests = {}
+        groups, tests = {"all": exits > 0} | {str(r): exits == r for r in exits.unique().tolist()}, {}
         for name, sel in groups.items():
             if int(sel.sum()) >= 10:
                 tests[name] = max((rank_test(diff[sel], NOISE_ROOM * d[sel]) for d in self.diffs), key=lambda zp: zp[1])
@@ -3350,8 +3346,7 @@ def _cache_vs_recompute(s: _BenchSetup, model: LoopedLM) -> Measured:
 
 def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
     """The KV cache per token, what fits beside the weights (--memory-gb, else the device's or machine's), the peaks."""
-    cfg, weights = s.cfg, load["weights"]
-    kv = kv_cache_bytes_per_token(cfg, dtype)
+    cfg, weights, kv = s.cfg, load["weights"], kv_cache_bytes_per_token(s.cfg, dtype)
     lengths = [T for T in (512, 2048, 8192) if T <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
     if s.args.memory_gb is not None:
         memory = int(s.args.memory_gb * 1e9)
