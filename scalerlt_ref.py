@@ -1421,8 +1421,7 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
                 fh.seek(t.start)
                 got = 0
                 while got < t.nbytes:  # NOTE: one read returns at most ~2 GB on Linux
-                    n = fh.readinto(buf[got:])
-                    if not n:
+                    if not (n := fh.readinto(buf[got:])):
                         raise ValueError(f"{file}: cannot read safetensors (the file ends inside {name!r})")
                     got += n
                 yield name, out
