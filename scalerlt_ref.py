@@ -40,7 +40,6 @@ Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import hashlib
 import json
@@ -2841,8 +2840,9 @@ class Calibration:
 def measure_calibration(model: LoopedLM, recs: list[dict], results: list[VerifyResult], opts: VerifyOptions):
     """The `Calibration` of `recs` against their `results`: the model cast to opts.rule_dtype teacher-forces them in two
     layouts, opts.batch_size and half as many sequences a pass (the exit statistics: the first)."""
-    dtype = opts.rule_dtype or model.dtype
-    cal, R = copy.deepcopy(model).to(dtype), model.config.total_ut_steps
+    dtype, R = opts.rule_dtype or model.dtype, model.config.total_ut_steps
+    cal = empty_model(model.config, dtype, model.device)  # allocated in the engine's dtype: no second full copy
+    cal.load_state_dict(model.state_dict())  # each weight cast as it is copied
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
     opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
     cdf = _survival_cdf if opts.exit_rule == "survival" else _hf_cdf
