@@ -1745,7 +1745,8 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
         shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
-        k, v = [[torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers] for _ in "kv"]
+        k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
+        v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
         h = model.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
         logits.append(model.readout(h, numerics).view(B, T, -1))
         gates.append(model.gate_logits(h, numerics).view(B, T))
