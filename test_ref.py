@@ -2654,16 +2654,13 @@ def test_rank_test_matches_its_exact_distribution():
     p-value, the share of all C(16, 8) splits of the pooled values whose U is at least the observed one, for
     samples of 8 with ties; z by hand where ties change the variance; and the test is one-sided: x larger than y
     gives a small p, the swap a large one."""
-    from itertools import combinations
-
     n, rng, worst = 8, np.random.default_rng(0), 0.0
-    first = torch.tensor(list(combinations(range(2 * n), n)))  # (12870, 8) every choice of the "x" half
+    first = torch.tensor(list(itertools.combinations(range(2 * n), n)))  # (12870, 8) every choice of the "x" half
     rest = torch.stack([torch.tensor([i for i in range(2 * n) if i not in c]) for c in first.tolist()])  # (12870, 8)
 
     def u(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # (..., 8) each -> (...) pairs a_i > b_j, ties 1/2
-        return (a[..., :, None] > b[..., None, :]).sum((-2, -1)) + 0.5 * (a[..., :, None] == b[..., None, :]).sum(
-            (-2, -1)
-        )
+        d = a[..., :, None] - b[..., None, :]  # (..., 8, 8)
+        return (d > 0).sum((-2, -1)) + 0.5 * (d == 0).sum((-2, -1))
 
     for _ in range(30):
         x = torch.tensor(rng.integers(0, 10, n) + rng.integers(0, 3), dtype=torch.float64)  # shifted by 0, 1 or 2
