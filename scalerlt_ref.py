@@ -1765,9 +1765,10 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 
 
 def sft_warm_start(
-    model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, beta=0.05, seed=0, log=print
+    model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, seed=0, log=print, stop=None
 ) -> float:
-    """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1)."""
+    """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1).
+    `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo's: accuracy on its dev problems)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
@@ -1777,13 +1778,16 @@ def sft_warm_start(
         seqs = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.eos_id).to(model.device)
         t = torch.arange(seqs.shape[1] - 1, device=model.device)  # (T,) input positions
         mask = torch.stack([(len(p) - 1 <= t) & (t < len(p) + len(c) - 1) for p, c in pairs])  # (B, T) completions
-        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask, beta)  # next-token targets
+        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask)  # next-token targets
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps:
-            log(f"warm start {step + 1}/{steps}: Ouro loss {loss.item():.3f}")
+        why = stop(model, tok, step + 1) if stop else ""
+        if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps or why:
+            log(f"warm start {step + 1}/{steps}: Ouro loss {loss.item():.3f}{why and '; stops: ' + why}")
+        if why:
+            break
     return loss.item()
 
 
@@ -2230,7 +2234,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     return {"rank": torch.distributed.get_rank(), "world": world, "local_rank": local_rank, "all_reduce": all_reduce}
 
 
-def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
+def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=None) -> tuple:
     """The model, tokenizer, problems, optimizer and KL reference, resumed (or warm-started), and the step to start."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
@@ -2258,7 +2262,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
         torch.set_rng_state(state["torch_rng"])
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
-        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say)
+        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say, stop=sft_stop)
     model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
@@ -2273,12 +2277,13 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None]) -> tuple:
     return model, tok, problems, opt, ref, state["step"] if state else 0
 
 
-def train(cfg: TrainConfig, log: Callable[[str], None] = print, on_start: Callable | None = None) -> dict:
-    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1. Returns {"model", "tokenizer", "history"}."""
+def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft_stop=None) -> dict:
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft_stop` is `sft_warm_start`'s `stop`.
+    Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
-    model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say)
+    model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say, sft_stop)
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
         say(slow)
@@ -3578,7 +3583,7 @@ def cmd_train(cfg: TrainConfig) -> int:
 # The demo is a TrainConfig preset (see `_preset_flags`), plus flags of its own; `DEMO_FIXED` are set without a flag.
 DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
-    "sft_steps": (220, "warm-start steps"),
+    "sft_steps": (500, "warm-start steps at most (see --sft-target)"),
     "steps": (70, "GRPO steps"),
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
@@ -3590,6 +3595,8 @@ DEMO_PRESET = {
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
     "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
+    "dev_problems": _flag(100, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
+    "sft_target": _flag(0.3, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": (
@@ -3647,6 +3654,16 @@ def cmd_demo(flags) -> int:
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
     fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
     held_out, before, policy = fresh[: flags.eval_problems], {}, cfg.policy(())  # evaluate() makes it greedy
+    seen |= {p["question"] for p in held_out}  # the dev problems: neither trained on nor held out
+    dev = [p for p in arithmetic_problems(4 * flags.dev_problems, seed=flags.seed + 2) if p["question"] not in seen]
+    dev, warm = dev[: flags.dev_problems], {}
+
+    def sft_stop(model, tok, step: int) -> str:  # every 20 steps: the warm start ends where GRPO has room to learn
+        if step % 20:
+            return ""
+        acc = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
+        warm.update(warm_start_steps=step, dev_accuracy=acc)
+        return f"dev accuracy {acc:.3f} >= {flags.sft_target}" if acc >= flags.sft_target else ""
 
     def report(when: str, r: dict, note: str) -> None:
         print(
@@ -3659,7 +3676,7 @@ def cmd_demo(flags) -> int:
         report("the warm start:", before, f"{len(held_out)} problems")
 
     try:
-        result = train(cfg, on_start=on_start)
+        result = train(cfg, on_start=on_start, sft_stop=sft_stop)
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]
@@ -3687,6 +3704,7 @@ def cmd_demo(flags) -> int:
         | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
         | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
         | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
+        | warm
     )
     print(json.dumps(summary))
     return 0
