@@ -3592,11 +3592,12 @@ DEMO_PRESET = {
     "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
     "mu": (1, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
+    "temperature": (1.0, "GRPO's sampling temperature (the held-out evaluation is greedy)"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
     "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
-    "dev_problems": _flag(100, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
-    "sft_target": _flag(0.3, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
+    "dev_problems": _flag(200, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
+    "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": (

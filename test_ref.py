@@ -1987,6 +1987,32 @@ def _train(tmp_path, *extra):
     return S.main(_train_args(steps=2, save_every=1) + list(extra))
 
 
+def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
+    """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
+    reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
+    first read after the warm start ("before"). Dev accuracies are scripted (0.1, 0.3, 0.4: the target itself
+    stops it, at step 60 of 200); tiny.json keeps the steps cheap."""
+    real, calls, scripted = S.evaluate, [], iter([0.1, 0.3, 0.4])
+
+    def evaluate(model, tok, problems, *a, **k):
+        r, dev = real(model, tok, problems, *a, **k), len(problems) == 7  # --dev-problems 7
+        calls.append(({p["question"] for p in problems}, dev))
+        return r | {"accuracy": next(scripted)} if dev else r
+
+    monkeypatch.setattr(S, "evaluate", evaluate)
+    flags = ["--sft-steps", "200", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--problems", "50",
+             "--max-new-tokens", "4", "--eval-problems", "5", "--dev-problems", "7", "--sft-target", "0.4"]  # fmt: skip
+    assert S.main(["demo", *flags, "--config", TINY_JSON, "--seed", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["warm_start_steps"] == 60 and summary["dev_accuracy"] == 0.4, summary
+    assert "warm start 60/200" in out and "stops: dev accuracy 0.400 >= 0.4" in out, out
+    assert [dev for _, dev in calls] == [True] * 3 + [False] * 2, calls  # 3 checks, then before and after
+    dev, held_out = calls[0][0], calls[3][0]
+    training = {p["question"] for p in S.arithmetic_problems(50, seed=3)}
+    assert len(dev) == 7 and len(held_out) == 5 and not dev & (held_out | training), (dev, held_out)
+
+
 def test_train_one_step_on_real_gsm8k(tmp_path):
     """`train` runs end to end on a real GSM8K subset with tiny.json and leaves an HF checkpoint."""
     path = GSM8K / "train.jsonl"
