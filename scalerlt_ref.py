@@ -1768,7 +1768,7 @@ def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, seed=0, log=print, stop=None
 ) -> float:
     """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1).
-    `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo's: accuracy on its dev problems)."""
+    `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo: accuracy on its dev problems)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
@@ -3584,13 +3584,13 @@ def cmd_train(cfg: TrainConfig) -> int:
 DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
     "sft_steps": (500, "warm-start steps at most (see --sft-target)"),
-    "steps": (70, "GRPO steps"),
+    "steps": (50, "GRPO steps"),
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
     "lr": (5e-4, "GRPO learning rate"),
     "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
     "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
-    "mu": (1, "GRPO inner iterations per batch of rollouts"),
+    "mu": (2, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
     "temperature": (1.0, "GRPO's sampling temperature (the held-out evaluation is greedy)"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
