@@ -712,7 +712,7 @@ def rollout(
     """
     R, B, N, numerics = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics
     tau = model.config.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
-    sampled, kv = policy.exit_policy == "sampled", KV_POLICIES[policy.kv]
+    sampled, kv, rule = policy.exit_policy == "sampled", KV_POLICIES[policy.kv], (policy.min_loops, policy.exit_rule)
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
     T = max(len(prompt) for prompt in prompts) + N
     assert all(prompts) and T <= model.config.max_position_embeddings and policy.min_loops <= R, "see `read_prompts`"
@@ -747,15 +747,16 @@ def rollout(
             h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
             # 3) The exit decision of each deciding row (a newest position still undecided): its own gates,
             #    its own rule (threshold) or a draw from its own generator (sampled).
+            #    The rule runs once for all deciding rows (each has r gates): elementwise, so the same bits.
             deciding = deciding_rows(call, first, exits)
             g = model.gate_logits(h[deciding], numerics) if deciding else None  # (len(deciding),)
             for gi, i in enumerate(deciding):
+                gates[rows[i][0]].append(g[gi])
+            if deciding and not sampled:
+                ruled = exit_loops(torch.stack([torch.stack(gates[rows[i][0]]) for i in deciding]), R, tau, *rule)
+            for gi, i in enumerate(deciding):
                 b = rows[i][0]
-                gates[b].append(g[gi])
-                if sampled:
-                    e = sample_exit(g[gi], r, R, policy.min_loops, gens[b])
-                else:
-                    e = exit_loops(torch.stack(gates[b])[None], R, tau, policy.min_loops, policy.exit_rule)[0]
+                e = sample_exit(g[gi], r, R, policy.min_loops, gens[b]) if sampled else ruled[gi]
                 if e is not None:
                     exits[b][-1] = e
                     call.readout.append(rows[i])
