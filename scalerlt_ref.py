@@ -1972,6 +1972,7 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
 TOP_P_HELP = "then among the most likely whose probability reaches this, as vLLM (1: all; applied after top-k)"
+LR_SCHEDULES = ("constant", "cosine")
 EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copies of float32 masters
 
 
@@ -2014,7 +2015,9 @@ class TrainConfig:
     )
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
-    lr: float = _flag(1e-3, "AdamW learning rate", within=(0.0, 1.0, "(]"))
+    lr: float = _flag(1e-3, "AdamW learning rate (the peak, with a schedule)", within=(0.0, 1.0, "(]"))
+    lr_schedule: str = _flag("constant", "after the warm-up: constant, or a cosine to 0", choices=LR_SCHEDULES)
+    warmup_steps: int = _flag(0, "GRPO steps of linear learning-rate warm-up", within=(0, 10**9))
     max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)", within=(0.0, math.inf, "()"))
     epsilon_low: float = _flag(0.2, "lower clip range", within=(0.0, 1.0, "[)"))  # < 1: the ratio's clip 1 - it is > 0
     epsilon_high: float = _flag(0.2, "upper clip range", within=(0.0, 1000.0))
@@ -2126,8 +2129,17 @@ class MasterWeights:
         return {"export/lag": (behind2 / moved2) ** 0.5, "export/reached": dot / moved2}
 
 
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """GRPO step `step`'s (0-based) learning rate: a linear warm-up to --lr, then constant or a cosine to 0."""
+    t = max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)  # 0 -> 1 after the warm-up
+    decay = 0.5 * (1 + math.cos(math.pi * t)) if cfg.lr_schedule == "cosine" else 1.0
+    return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps)) * decay
+
+
 def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems, dist: dict, out) -> dict:
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update."""
+    for group in (opt.opt if isinstance(opt, MasterWeights) else opt).param_groups:
+        group["lr"] = lr_at(cfg, step)
     rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
     t0, gen = time.time(), torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
     pick = torch.randint(len(problems), (P,), generator=gen).tolist()
@@ -2160,7 +2172,7 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     if dist["all_reduce"] is not None:  # report global figures
         for key in ("reward", "task_reward", "accuracy", "exit/mean_loops", "exit/logprob_mean"):
             m[key] = float(dist["all_reduce"](torch.tensor(m[key], device=model.device))) / world
-    m.update(step=step + 1, seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3))
+    m.update(step=step + 1, lr=lr_at(cfg, step), seconds=round(dt, 3), rollout_seconds=round(t1 - t0, 3))
     return m | {"tokens_per_second": round(int(ro.mask.sum()) * world / dt, 1)}
 
 
@@ -3588,14 +3600,16 @@ DEMO_PRESET = {
     "steps": (50, "GRPO steps"),
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
-    "lr": (5e-4, "GRPO learning rate"),
+    "lr": (7e-4, "GRPO's peak learning rate"),
+    "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 at the last step"),
+    "warmup_steps": (5, "GRPO steps of linear learning-rate warm-up"),
     "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
     "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
     "mu": (2, "GRPO inner iterations per batch of rollouts"),
     "max_new_tokens": (16, "completion length limit"),
     "temperature": (1.0, "GRPO's sampling temperature (the held-out evaluation is greedy)"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
-    "problems": _flag(2000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
+    "problems": _flag(20000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
     "dev_problems": _flag(200, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
     "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
@@ -3654,11 +3668,12 @@ def cmd_demo(flags) -> int:
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
     cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
-    fresh = [p for p in arithmetic_problems(4 * flags.eval_problems, seed=flags.seed + 1) if p["question"] not in seen]
-    held_out, before, policy = fresh[: flags.eval_problems], {}, cfg.policy(())  # evaluate() makes it greedy
-    seen |= {p["question"] for p in held_out}  # the dev problems: neither trained on nor held out
-    dev = [p for p in arithmetic_problems(4 * flags.dev_problems, seed=flags.seed + 2) if p["question"] not in seen]
-    dev, warm = dev[: flags.dev_problems], {}
+    held_out, dev, before, warm, policy = [], [], {}, {}, cfg.policy(())  # evaluate() makes the policy greedy
+    for chosen, n, plus in ((held_out, flags.eval_problems, 1), (dev, flags.dev_problems, 2)):  # from seed + plus
+        chosen += [p for p in arithmetic_problems(4 * n, seed=flags.seed + plus) if p["question"] not in seen][:n]
+        seen |= {p["question"] for p in chosen}  # so the dev problems are neither trained on nor held out
+        if len(chosen) < n:
+            raise ValueError(f"--problems {flags.problems} leaves under {n} unseen problems (seed + {plus}): use fewer")
 
     def sft_stop(model, tok, step: int) -> str:  # every 20 steps: the warm start ends where GRPO has room to learn
         if step % 20:

@@ -1987,6 +1987,44 @@ def _train(tmp_path, *extra):
     return S.main(_train_args(steps=2, save_every=1) + list(extra))
 
 
+@given(
+    st.floats(1e-5, 1e-2),
+    st.integers(1, 200),
+    st.integers(0, 30),
+    st.sampled_from(S.LR_SCHEDULES),
+)
+def test_lr_schedule_warms_up_linearly_then_holds_or_decays_to_zero(lr, steps, warmup, schedule):
+    """`lr_at`: step s < W (0-based) gets lr (s + 1) / W; from W on, lr itself ("constant") or
+    lr (1 + cos(pi (s - W) / (steps - W))) / 2 ("cosine"): lr at W, falling to near 0 at the last step."""
+    cfg = S.TrainConfig(lr=lr, steps=steps, warmup_steps=warmup, lr_schedule=schedule)
+    for step in range(steps):
+        got = S.lr_at(cfg, step)
+        if step < warmup:
+            want = lr * (step + 1) / warmup
+        elif schedule == "constant":
+            want = lr
+        else:
+            want = lr * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))) / 2
+        assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-18), (step, got, want)
+
+
+def test_train_steps_at_the_scheduled_learning_rate(monkeypatch):
+    """Every GRPO step's optimizer runs at `lr_at` of that step, and logs it: with 2 warm-up steps of 4 and a
+    cosine, 5e-4, 1e-3, 1e-3 (the cosine's start), 5e-4 (its middle), never the constant --lr throughout."""
+    seen, real = [], S.grpo_update
+
+    def grpo_update(model, opt, *a, **k):
+        seen.append(opt.param_groups[0]["lr"])
+        return real(model, opt, *a, **k)
+
+    monkeypatch.setattr(S, "grpo_update", grpo_update)
+    cfg = S.TrainConfig(config=TINY_JSON, steps=4, prompts_per_step=2, group_size=2, max_new_tokens=4, subset=20,
+                        device="cpu", lr=1e-3, warmup_steps=2, lr_schedule="cosine")  # fmt: skip
+    history = S.train(cfg, log=lambda *_: None)["history"]
+    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(seen, [5e-4, 1e-3, 1e-3, 5e-4], strict=True)), seen
+    assert [m["lr"] for m in history] == seen, history
+
+
 def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
     """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
     reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
