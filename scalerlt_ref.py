@@ -362,8 +362,8 @@ def exit_loops(
     loops: gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= tau (R when none); tau None always exits at R.
-    Every operation is elementwise across positions: a position's decision has the same bits alone (n = 1,
-    what the rollout asks after every loop) as among others (the oracle).
+    Every operation is elementwise across positions: a position's decision has the same bits alone (n = 1)
+    as among others (the rollout asks for a call's deciding rows together, the oracle for a batch).
     NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
     float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
     model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
@@ -3601,7 +3601,7 @@ DEMO_PRESET = {
     "prompts_per_step": (32, "prompts per GRPO step"),
     "group_size": (8, "completions per prompt"),
     "lr": (7e-4, "GRPO's peak learning rate"),
-    "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 at the last step"),
+    "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 after the last step"),
     "warmup_steps": (5, "GRPO steps of linear learning-rate warm-up"),
     "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
     "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
@@ -3676,10 +3676,10 @@ def cmd_demo(flags) -> int:
             raise ValueError(f"--problems {flags.problems} leaves under {n} unseen problems (seed + {plus}): use fewer")
 
     def sft_stop(model, tok, step: int) -> str:  # every 20 steps: the warm start ends where GRPO has room to learn
+        warm["warm_start_steps"] = step  # the steps run, also when --sft-steps stops it
         if step % 20:
             return ""
-        acc = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
-        warm.update(warm_start_steps=step, dev_accuracy=acc)
+        warm["dev_accuracy"] = acc = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
         return f"dev accuracy {acc:.3f} >= {flags.sft_target}" if acc >= flags.sft_target else ""
 
     def report(when: str, r: dict, note: str) -> None:
