@@ -101,10 +101,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
     """Apply `fn` to all rows at once ("fast") or to one row at a time ("invariant").
-
     NOTE: "invariant" is the whole trick of batch invariance: a row computed alone gets the same bits
-    whatever else was in its call, because every kernel sees the same one-row shape every time.
-    """
+    whatever else was in its call, because every kernel sees the same one-row shape every time."""
     if numerics == "fast":
         return fn(*rows)
     return torch.cat([fn(*(x[i : i + 1] for x in rows)) for i in range(rows[0].shape[0])])
@@ -112,21 +110,17 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
     """sigmoid of every element computed on its own (one-element kernel call each).
-
     NOTE: torch's CPU sigmoid uses a vector kernel for most of a tensor and a scalar one for the tail,
     with different bits; computing each element alone makes the exit rule independent of how many
-    gates were evaluated together. Only R values per position, so the Python loop is cheap.
-    """
+    gates were evaluated together. Only R values per position, so the Python loop is cheap."""
     flat = x.reshape(-1)
     return torch.stack([torch.sigmoid(v) for v in flat]).reshape(x.shape) if flat.numel() else x.clone()
 
 
 def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin for every position: (max_position_embeddings, D), NeoX split-half layout.
-
-    Computed once in float64 and rounded once to `dtype`; rows are looked up by position, so a row's
-    rotation never depends on which other rows share its call.
-    """
+    """cos, sin for every position: (max_position_embeddings, D), NeoX split-half layout. Computed once in
+    float64 and rounded once to `dtype`; rows are looked up by position, so a row's rotation never depends on
+    which other rows share its call."""
     D = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
     angles = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq  # (T, D/2)
@@ -346,12 +340,9 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
     pdf = []
-    for i in range(lam.shape[-1]):  # loop i + 1
-        if i < R - 1:
-            pdf.append(lam[..., i] * remaining)
-            remaining = remaining * (1.0 - lam[..., i])
-        else:
-            pdf.append(remaining)  # the last loop takes what is left
+    for i in range(lam.shape[-1]):  # loop i + 1; the last loop takes what is left
+        pdf.append(lam[..., i] * remaining if i < R - 1 else remaining)
+        remaining = remaining * (1.0 - lam[..., i])
     return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1) if pdf else lam.clone()
 
 
@@ -656,6 +647,12 @@ class Rollout:
             out[b, : len(prompt) + len(c)] = torch.tensor(prompt + c, dtype=torch.long)
         return out.to(device) if device is not None else out
 
+    def select(self, seqs: list[int]) -> Rollout:
+        """Sequences `seqs` alone, with no schedule (its calls batch every sequence): teacher forcing's input."""
+        lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
+        tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
+        return dataclasses.replace(self, **lists, **tensors, schedule=None)
+
 
 def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tensor:
     """exit_loops (B lists) -> (B, N) long, padded with 0 (no token)."""
@@ -923,11 +920,9 @@ SCALE_REWARDS = ("group", "batch", "none")
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
-    """rewards (B,) float, B = P * G, groups contiguous -> advantages (B,) float32.
-
-    A = r - mean(group); divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or
-    not at all ("none", Dr. GRPO). std is the unbiased one, as in TRL.
-    """
+    """rewards (B,) float, B = P * G, groups contiguous -> advantages (B,) float32. A = r - mean(group);
+    divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or not at all ("none", Dr.
+    GRPO). std is the unbiased one, as in TRL."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -1070,10 +1065,15 @@ def grpo_update(
     if grpo.beta > 0:
         with torch.no_grad():
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
-    metrics, clip_ratios = {}, []
+    # NOTE: a sequence whose advantage is 0 (its group's rewards tie) adds exactly 0 to the loss, and only its tokens
+    # to the count: teacher forcing skips it, its log-probs stay logp_old (ratio 1), so the loss keeps its bits
+    live = torch.nonzero((adv != 0) | (grpo.beta > 0))[:, 0].tolist() or [0]
+    metrics, clip_ratios, learns = {}, [], ro.select(live)
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        logp, tf = learner_logprobs(model, ro, numerics, recorded if it == 0 else None)  # (B, N): value bits, tf grad
+        value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact: the whole schedule
+        lp = learner_logprobs(model, learns, numerics, tuple(v[live] for v in value))  # value bits, tf grad
+        logp, tf = (logp_old.index_put((torch.tensor(live, device=model.device),), x) for x in lp)  # (B, N)
         # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
         _finite_or_stop((logp.detach() < math.inf)[mask].all(), f"learner log-probs, iteration {it + 1}", model)
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)

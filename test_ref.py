@@ -1738,6 +1738,38 @@ def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, m
 
 
 @examples(10)
+@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), beta=st.sampled_from([0.0, 0.1]))
+def test_teacher_forcing_skips_sequences_without_an_advantage_and_the_loss_keeps_its_bits(gc, mode, agg, beta):
+    """Group 2's rewards tie, so its advantages are exactly 0: each of mu = 2 iterations teacher-forces only the
+    sequences whose advantage is not 0 (all of them with a KL term, beta > 0, which every sequence feeds), and the
+    loss is the one over the whole batch bit for bit (token count included): a dropped count, a flipped skip rule
+    or a skip under KL fails."""
+    case, G, rewards = gc
+    rewards[G:] = rewards[G]  # group 2 ties
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    adv, real, seen = S.group_advantages(rewards, G), S.teacher_forced_logprobs, []
+    g = S.GRPOConfig(group_size=G, loss_agg=agg, beta=beta, mu=2)
+    whole = S.grpo_loss(S.hybrid(ro.logprobs, real(model, ro)), ro.logprobs, adv, ro.mask, g, ref_logp=real(model, ro))
+
+    def recording(m, r, *a, **k):
+        seen.append(r.completions)
+        return real(m, r, *a, **k)
+
+    S.teacher_forced_logprobs = recording
+    try:  # the optimizer never steps (no inner one): the model stays the one that sampled
+        m = S.grpo_update(model, RecordingOptimizer(model), ro, rewards, g, ref_model=model if beta else None)
+    finally:
+        S.teacher_forced_logprobs = real
+    live = [c for c, a in zip(ro.completions, adv) if a != 0 or beta > 0]
+    assert len(live) < len(ro.completions) or beta > 0, (adv, beta)
+    assert seen[-2:] == [live, live], (
+        f"teacher-forced {[len(s) for s in seen]} sequences; {len(live)} have an advantage"
+    )
+    assert m["loss"] == whole[0].item(), (m["loss"], whole[0].item(), agg)
+
+
+@examples(10)
 @given(gc=grpo_cases(), mode=modes)
 def test_one_small_step_moves_log_probs_with_the_advantage(gc, mode):
     """One small SGD step through grpo_update (float64) changes each sequence's teacher-forced log-prob
