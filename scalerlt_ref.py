@@ -1766,20 +1766,21 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 
 
 def sft_warm_start(
-    model: LoopedLM, tok, problems: list[dict], *, steps: int, batch_size=32, lr=3e-3, seed=0, log=print, stop=None
+    model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, stop=None
 ) -> float:
-    """Supervised steps on gold answers (Ouro objective, completion tokens), so GRPO starts at a pass rate in (0, 1).
+    """Supervised steps on gold answers (Ouro objective with entropy bonus `beta`, completion tokens; batches of 32,
+    AdamW at 3e-3), so GRPO starts at a pass rate in (0, 1).
     `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo: accuracy on its dev problems)."""
-    opt, gen = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0), torch.Generator().manual_seed(seed)
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
-        pick = torch.randint(len(problems), (batch_size,), generator=gen).tolist()
+        pick = torch.randint(len(problems), (32,), generator=gen).tolist()
         pairs = [encode_problem(tok, problems[i]) for i in pick]
         seqs = [torch.tensor(p + c) for p, c in pairs]  # each ends in tok.eos_id, so it pads them too
         seqs = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=tok.eos_id).to(model.device)
         t = torch.arange(seqs.shape[1] - 1, device=model.device)  # (T,) input positions
         mask = torch.stack([(len(p) - 1 <= t) & (t < len(p) + len(c) - 1) for p, c in pairs])  # (B, T) completions
-        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask)  # next-token targets
+        loss = ouro_loss(loop_outputs(model, seqs[:, :-1]), seqs[:, 1:], mask, beta)  # next-token targets
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -2026,6 +2027,7 @@ class TrainConfig:
     loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
     mu: int = _flag(1, "inner iterations per batch of rollouts", within=(1, 1000))
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
+    sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
     reward: str = _flag(
         "strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)", choices=REWARDS
     )
@@ -2275,7 +2277,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=No
         torch.set_rng_state(state["torch_rng"])
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
-        sft_warm_start(model, tok, problems, steps=cfg.sft_steps, seed=cfg.seed, log=say, stop=sft_stop)
+        sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, stop=sft_stop)
     model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
@@ -3597,9 +3599,10 @@ def cmd_train(cfg: TrainConfig) -> int:
 DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
     "sft_steps": (500, "warm-start steps at most (see --sft-target)"),
-    "steps": (50, "GRPO steps"),
-    "prompts_per_step": (32, "prompts per GRPO step"),
-    "group_size": (8, "completions per prompt"),
+    "sft_beta": (0.02, "the warm start's entropy bonus on the exit distribution (see the README's demo section)"),
+    "steps": (40, "GRPO steps"),
+    "prompts_per_step": (64, "prompts per GRPO step"),
+    "group_size": (4, "completions per prompt"),
     "lr": (7e-4, "GRPO's peak learning rate"),
     "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 after the last step"),
     "warmup_steps": (5, "GRPO steps of linear learning-rate warm-up"),

@@ -2057,6 +2057,26 @@ def test_train_steps_at_the_scheduled_learning_rate(monkeypatch):
     assert [m["lr"] for m in history] == seen, history
 
 
+def test_warm_start_optimizes_the_ouro_objective_at_its_entropy_bonus(monkeypatch):
+    """--sft-beta reaches every warm-start step's Ouro objective (the demo's default is its own, 0.02): the loss
+    sft_warm_start reports is `ouro_loss` at that beta, which differs from the library default's (0.05)."""
+    seen, real = [], S.ouro_loss
+
+    def ouro_loss(out, targets, mask, beta=0.05):
+        seen.append(beta)
+        return real(out, targets, mask, beta)
+
+    monkeypatch.setattr(S, "ouro_loss", ouro_loss)
+    cfg = S.TrainConfig(config=TINY_JSON, steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4, subset=20,
+                        device="cpu", sft_steps=3, sft_beta=0.3)  # fmt: skip
+    S.train(cfg, log=lambda *_: None)
+    assert seen == [0.3] * 3, seen
+    assert S.DemoFlags().sft_beta == 0.02 and S.TrainConfig().sft_beta == 0.05
+    tok, problems, model_cfg = S._tokenizer(None), S.arithmetic_problems(8, seed=0), S.load_config(TINY_JSON)
+    losses = [S.sft_warm_start(S.LoopedLM(model_cfg), tok, problems, 1, beta=b, log=lambda *_: None) for b in (0, 1)]
+    assert losses[0] > losses[1], losses  # the bonus is subtracted: a larger beta, a lower loss at the same weights
+
+
 def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
     """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
     reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
