@@ -1065,15 +1065,15 @@ def grpo_update(
     if grpo.beta > 0:
         with torch.no_grad():
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
-    # NOTE: a sequence whose advantage is 0 (its group's rewards tie) adds exactly 0 to the loss, and only its tokens
-    # to the count: teacher forcing skips it, its log-probs stay logp_old (ratio 1), so the loss keeps its bits
+    # NOTE: a sequence whose advantage is exactly 0 adds exactly 0 to the loss and only its tokens to the count: teacher
+    # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward)
     live = torch.nonzero((adv != 0) | (grpo.beta > 0))[:, 0].tolist() or [0]
-    metrics, clip_ratios, learns = {}, [], ro.select(live)
+    metrics, clip_ratios, live_ro, rows = {}, [], ro.select(live), torch.tensor(live, device=model.device)
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
         value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact: the whole schedule
-        lp = learner_logprobs(model, learns, numerics, tuple(v[live] for v in value))  # value bits, tf grad
-        logp, tf = (logp_old.index_put((torch.tensor(live, device=model.device),), x) for x in lp)  # (B, N)
+        lp = learner_logprobs(model, live_ro, numerics, tuple(v[live] for v in value))  # value bits, tf grad
+        logp, tf = (logp_old.index_put((rows,), x) for x in lp)  # (B, N): the skipped rows are logp_old
         # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
         _finite_or_stop((logp.detach() < math.inf)[mask].all(), f"learner log-probs, iteration {it + 1}", model)
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)

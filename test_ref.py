@@ -1739,18 +1739,31 @@ def test_later_iteration_gradient_with_clipping_matches_finite_differences(gc, m
 
 @examples(10)
 @given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), beta=st.sampled_from([0.0, 0.1]))
-def test_teacher_forcing_skips_sequences_without_an_advantage_and_the_loss_keeps_its_bits(gc, mode, agg, beta):
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_teacher_forcing_skips_sequences_without_an_advantage_and_the_loss_keeps_its_bits(
+    gc, mode, agg, beta, exit_policy
+):
     """Group 2's rewards tie, so its advantages are exactly 0: each of mu = 2 iterations teacher-forces only the
-    sequences whose advantage is not 0 (all of them with a KL term, beta > 0, which every sequence feeds), and the
-    loss is the one over the whole batch bit for bit (token count included): a dropped count, a flipped skip rule
-    or a skip under KL fails."""
+    sequences whose advantage is not 0 (all of them with a KL term, beta > 0, which every sequence feeds); the
+    loss is the one over the whole batch bit for bit (token count included), every ratio exactly 1, and the
+    gradient the whole batch's (float64, 1e-9); with the weights unchanged, iteration 2 applies iteration 1's
+    gradient bit for bit. A dropped count, a flipped skip rule or a skip under KL fails it. Then every group
+    ties: the step still runs (one sequence keeps a graph), with loss 0 and a zero gradient."""
     case, G, rewards = gc
     rewards[G:] = rewards[G]  # group 2 ties
     model = case.model(torch.float64)
-    ro = _grpo_rollout(case, model, mode)
-    adv, real, seen = S.group_advantages(rewards, G), S.teacher_forced_logprobs, []
-    g = S.GRPOConfig(group_size=G, loss_agg=agg, beta=beta, mu=2)
-    whole = S.grpo_loss(S.hybrid(ro.logprobs, real(model, ro)), ro.logprobs, adv, ro.mask, g, ref_logp=real(model, ro))
+    ro = _grpo_rollout(case, model, mode, exit_policy)
+    adv, real, seen, params = (
+        S.group_advantages(rewards, G),
+        S.teacher_forced_logprobs,
+        [],
+        dict(model.named_parameters()),
+    )
+    g = S.GRPOConfig(group_size=G, loss_agg=agg, beta=beta, mu=2, max_grad_norm=1e9)
+    tf, old = real(model, ro, with_exits=True), S.joint_logprobs(ro, ro.logprobs, ro.exit_logprobs)
+    logp = S.joint_logprobs(ro, S.hybrid(ro.logprobs, tf[0]), S.hybrid(ro.exit_logprobs, tf[1]))
+    whole = S.grpo_loss(logp, old, adv, ro.mask, g, ref_logp=S.joint_logprobs(ro, *tf).detach())[0]
+    auto = dict(zip(params, torch.autograd.grad(whole, list(params.values()), allow_unused=True)))
 
     def recording(m, r, *a, **k):
         seen.append(r.completions)
@@ -1758,15 +1771,23 @@ def test_teacher_forcing_skips_sequences_without_an_advantage_and_the_loss_keeps
 
     S.teacher_forced_logprobs = recording
     try:  # the optimizer never steps (no inner one): the model stays the one that sampled
-        m = S.grpo_update(model, RecordingOptimizer(model), ro, rewards, g, ref_model=model if beta else None)
+        opt = RecordingOptimizer(model)
+        m = S.grpo_update(model, opt, ro, rewards, g, ref_model=model if beta else None)
+        tied = S.grpo_update(
+            model, RecordingOptimizer(model), ro, torch.ones(len(rewards)), dataclasses.replace(g, beta=0.0)
+        )
     finally:
         S.teacher_forced_logprobs = real
     live = [c for c, a in zip(ro.completions, adv) if a != 0 or beta > 0]
     assert len(live) < len(ro.completions) or beta > 0, (adv, beta)
-    assert seen[-2:] == [live, live], (
-        f"teacher-forced {[len(s) for s in seen]} sequences; {len(live)} have an advantage"
-    )
-    assert m["loss"] == whole[0].item(), (m["loss"], whole[0].item(), agg)
+    assert seen[-4:-2] == [live, live], f"teacher-forced {[len(s) for s in seen]}; {len(live)} have an advantage"
+    assert m["loss"] == whole.item() and m["ratio_min"] == m["ratio_max"] == 1.0, (m, whole.item(), agg)
+    (_, first), (_, second) = opt.records
+    for n, grad in first.items():
+        assert torch.equal(grad, second[n]), f"{n}: iterations differ by {maxdiff(grad, second[n]):.3e}"
+        d = maxdiff(grad, auto[n])
+        assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"{n}: max |applied - whole batch's| = {d:.3e}"
+    assert seen[-2:] == [ro.completions[:1]] * 2 and tied["loss"] == 0.0 and tied["grad_norm"] == 0.0, tied
 
 
 @examples(10)
