@@ -3615,7 +3615,7 @@ DEMO_PRESET = {
     "problems": _flag(20000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
     "dev_problems": _flag(200, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
-    "sft_target": _flag(0.4, "the dev accuracy that ends the warm start (checked every 20 or 10 steps)", within=(0, 1)),
+    "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps, 10 from half of it)", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": (
