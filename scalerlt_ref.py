@@ -3615,7 +3615,7 @@ DEMO_PRESET = {
     "problems": _flag(20000, "training problems", within=(1, MAX_COUNT)),  # the demo's own: TrainConfig.subset
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
     "dev_problems": _flag(200, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
-    "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps, 10 from half of it)", within=(0, 1)),
+    "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": (
@@ -3678,9 +3678,9 @@ def cmd_demo(flags) -> int:
         if len(chosen) < n:
             raise ValueError(f"--problems {flags.problems} leaves under {n} unseen problems (seed + {plus}): use fewer")
 
-    def sft_stop(model, tok, step: int) -> str:  # the warm start ends where GRPO has room to learn
+    def sft_stop(model, tok, step: int) -> str:  # every 20 steps: the warm start ends where GRPO has room to learn
         warm["warm_start_steps"] = step  # the steps run, also when --sft-steps stops it
-        if step % (10 if warm.get("dev_accuracy", 0) >= flags.sft_target / 2 else 20):  # finer checks near it
+        if step % 20:
             return ""
         warm["dev_accuracy"] = acc = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
         return f"dev accuracy {acc:.3f} >= {flags.sft_target}" if acc >= flags.sft_target else ""

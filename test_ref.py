@@ -2099,12 +2099,11 @@ def test_warm_start_optimizes_the_ouro_objective_at_its_entropy_bonus(monkeypatc
 
 
 def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
-    """The demo's warm start ends at the first check (every 20 steps; every 10 once a check reached half the
-    target) whose greedy accuracy on the dev problems reaches --sft-target, and the dev problems are neither trained
-    on nor held out: the held-out problems are first read after the warm start ("before"). Dev accuracies are
-    scripted (0.1 at step 20, 0.3 at 40, then 0.4 at 50: the target itself stops it, at step 50 of 200); then
-    never reaching it (0.1, 0.2, 0.2), --sft-steps 50 ends it, and the summary reports the 50 steps run and the
-    last check's 0.2. tiny.json keeps the steps cheap."""
+    """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
+    reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
+    first read after the warm start ("before"). Dev accuracies are scripted (0.1, 0.3, 0.4: the target itself
+    stops it, at step 60 of 200); then never reaching it, --sft-steps 50 ends it, and the summary reports the 50 steps
+    run and the last check's 0.2. tiny.json keeps the steps cheap."""
     real, calls, scripted = S.evaluate, [], iter([0.1, 0.3, 0.4])
 
     def evaluate(model, tok, problems, *a, **k):
@@ -2118,13 +2117,13 @@ def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, caps
     assert S.main(["demo", *flags, "--config", TINY_JSON, "--seed", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.splitlines()[-1])
-    assert summary["warm_start_steps"] == 50 and summary["dev_accuracy"] == 0.4, summary
-    assert "warm start 50/200" in out and "stops: dev accuracy 0.400 >= 0.4" in out, out
+    assert summary["warm_start_steps"] == 60 and summary["dev_accuracy"] == 0.4, summary
+    assert "warm start 60/200" in out and "stops: dev accuracy 0.400 >= 0.4" in out, out
     assert [dev for _, dev in calls] == [True] * 3 + [False] * 2, calls  # 3 checks, then before and after
     dev, held_out = calls[0][0], calls[3][0]
     training = {p["question"] for p in S.arithmetic_problems(50, seed=3)}
     assert len(dev) == 7 and len(held_out) == 5 and not dev & (held_out | training), (dev, held_out)
-    scripted = iter([0.1, 0.2, 0.2])  # never the target: --sft-steps 50 ends it, and the summary says 50 steps ran
+    scripted = iter([0.1, 0.2])  # never the target: --sft-steps 50 ends it, and the summary says 50 steps ran
     flags[1] = "50"
     assert S.main(["demo", *flags, "--config", TINY_JSON, "--seed", "3", "--out", str(tmp_path)]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
