@@ -1769,9 +1769,9 @@ def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, stop=None
 ) -> float:
     """Supervised steps on gold answers (Ouro objective with entropy bonus `beta`, completion tokens; batches of 32,
-    AdamW at 3e-3), so GRPO starts at a pass rate in (0, 1).
+    AdamW at 1.5e-3), so GRPO starts at a pass rate in (0, 1).
     `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo: accuracy on its dev problems)."""
-    opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=1.5e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         pick = torch.randint(len(problems), (32,), generator=gen).tolist()
