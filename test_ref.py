@@ -2098,6 +2098,19 @@ def test_warm_start_optimizes_the_ouro_objective_at_its_entropy_bonus(monkeypatc
     assert losses[0] > losses[1], losses  # the bonus is subtracted: a larger beta, a lower loss at the same weights
 
 
+def test_warm_start_steps_at_its_rate():
+    """The warm start's AdamW runs at 1.5e-3 (the demo's weak seeds gained more than at 3e-3: README, "The demo").
+    Adam's first step moves a parameter by lr x g / (|g| + eps): by 1.5e-3 where the gradient is not tiny, never
+    by more. One step on tiny.json from the same initial weights shows it."""
+    tok, problems, model_cfg = S._tokenizer(None), S.arithmetic_problems(8, seed=0), S.load_config(TINY_JSON)
+    model = S.LoopedLM(model_cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    S.sft_warm_start(model, tok, problems, 1, log=lambda *_: None)
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(model.parameters(), before)])
+    assert moved.max() <= 1.5e-3 * (1 + 1e-5), f"max step {moved.max().item()}"
+    assert (moved > 1.5e-3 * 0.99).float().mean() > 0.5, f"share at the rate {(moved > 1.5e-3 * 0.99).float().mean()}"
+
+
 def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
     """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
     reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
