@@ -2020,6 +2020,7 @@ class TrainConfig:
     lr_schedule: str = _flag("constant", "after the warm-up: constant, or a cosine to 0", choices=LR_SCHEDULES)
     warmup_steps: int = _flag(0, "GRPO steps of linear learning-rate warm-up", within=(0, 10**9))
     max_grad_norm: float = _flag(1.0, "gradient clipping (global norm)", within=(0.0, math.inf, "()"))
+    adam_eps: float = _flag(1e-8, "AdamW's eps (gradients below it move a weight less than lr)", within=(0, 1, "(]"))
     epsilon_low: float = _flag(0.2, "lower clip range", within=(0.0, 1.0, "[)"))  # < 1: the ratio's clip 1 - it is > 0
     epsilon_high: float = _flag(0.2, "upper clip range", within=(0.0, 1000.0))
     beta: float = _flag(0.0, "k3 KL coefficient to the starting model (0: off)", within=(0.0, 1000.0))
@@ -2083,12 +2084,12 @@ def export_rounded(
 class MasterWeights:
     """The optimizer below float32: AdamW on float32 masters, the model (the copy) exported from them every step."""
 
-    def __init__(self, model: LoopedLM, lr: float, weight_decay: float, rounding: str, seed: int):
+    def __init__(self, model: LoopedLM, rounding: str, seed: int, **adamw):
         self.copies, self.rounding = list(model.parameters()), rounding
         self.masters, self.start = [p.detach().float() for p in self.copies], [p.detach().clone() for p in self.copies]
         self.residuals = [torch.zeros_like(m) for m in self.masters] if rounding == "error-feedback" else None
         self.gen = torch.Generator(model.device).manual_seed(seed)
-        self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        self.opt = torch.optim.AdamW(self.masters, **adamw)  # lr, weight_decay, eps
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.copies + self.masters:
@@ -2279,10 +2280,11 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=No
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, stop=sft_stop)
     model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
+    adamw = {"lr": grpo.lr, "weight_decay": grpo.weight_decay, "eps": cfg.adam_eps}
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
-        opt = MasterWeights(model, grpo.lr, grpo.weight_decay, cfg.export_rounding, sequence_seed(cfg.seed, "export"))
+        opt = MasterWeights(model, cfg.export_rounding, sequence_seed(cfg.seed, "export"), **adamw)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, weight_decay=grpo.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
     if state:
         opt.load_state_dict(state if isinstance(opt, MasterWeights) else state["optimizer"])
     ref = None
@@ -3603,7 +3605,8 @@ DEMO_PRESET = {
     "steps": (40, "GRPO steps"),
     "prompts_per_step": (64, "prompts per GRPO step"),
     "group_size": (4, "completions per prompt"),
-    "lr": (7e-4, "GRPO's peak learning rate"),
+    "lr": (1e-3, "GRPO's peak learning rate"),
+    "adam_eps": (1e-4, "GRPO's AdamW eps: gradients far below it (the reward-neutral text) move weights less than lr"),
     "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 after the last step"),
     "warmup_steps": (5, "GRPO steps of linear learning-rate warm-up"),
     "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
@@ -3618,17 +3621,11 @@ DEMO_PRESET = {
     "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
-    "exit_policy": (
-        "threshold",
-        "threshold (the exit rule) or sampled (exits drawn from the gates and learned by GRPO)",
-    ),
+    "exit_policy": ("threshold", "threshold: the exit rule; sampled: exits drawn from the gates, learned by GRPO"),
     "loop_cost": (0.0, "reward -= this x the sequence's mean exit loop"),
     "top_k": (0, TOP_K_HELP),
     "top_p": (1.0, TOP_P_HELP),
-    "scale_rewards": (
-        "group",
-        "advantage scaling (none: Dr. GRPO; then the loop cost's size matters, not only its sign)",
-    ),
+    "scale_rewards": ("group", "advantage scaling (none: Dr. GRPO, where the loop cost's size matters)"),
     "out": ("runs/demo", "output folder (checkpoint, metrics, plot)"),
 }
 DEMO_FIXED = {"mode": "deferred", "device": "cpu", "save_every": 10**9}  # one checkpoint, at the end
