@@ -2111,6 +2111,34 @@ def test_warm_start_steps_at_its_rate():
     assert (moved > 1.5e-3 * 0.99).float().mean() > 0.5, f"share at the rate {(moved > 1.5e-3 * 0.99).float().mean()}"
 
 
+@pytest.mark.parametrize("eps", [1e-8, 1e-4])
+def test_grpo_adam_eps_damps_tiny_gradients(eps):
+    """--adam-eps reaches GRPO's AdamW (PyTorch's 1e-8 by default, in train and the demo), whose first step moves a
+    weight by lr x g / (|g| + eps): a weight whose gradient is far below eps moves far less than lr (the reward-neutral
+    text: README, "Format drift"), one far above it moves by lr. One GRPO step on tiny.json after a short warm start;
+    the gradients are the step's own (the digits reward: no group ties). bfloat16's masters get the same eps."""
+    assert S.DemoFlags().adam_eps == 1e-8 and S.TrainConfig().adam_eps == 1e-8
+    kw = dict(config=TINY_JSON, sft_steps=3, steps=1, prompts_per_step=4, group_size=4, reward="digits", lr=1e-3)
+    cfg = S.TrainConfig(**kw, adam_eps=eps, device="cpu")
+    model, tok, problems, opt, ref, _ = S._setup(cfg, S._distributed_setup(cfg), lambda *_: None)
+    assert [g["eps"] for g in opt.param_groups] == [eps]
+    before = [p.detach().clone() for p in model.parameters()]
+    S._train_step(cfg, 0, model, tok, opt, ref, problems, S._distributed_setup(cfg), None)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.abs() for p in model.parameters()]  # None: no step
+    g = torch.cat([x.flatten() for x in grads])  # what Adam stepped with (after clipping)
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(model.parameters(), before)])
+    tiny, big = (0 < g) & (g < 1e-6), g > 1e-2
+    assert tiny.sum() > 10 and big.sum() > 10, (int(tiny.sum()), int(big.sum()))
+    assert (moved[big] > 0.98e-3).all(), f"large gradients: least step {moved[big].min().item()}"
+    if eps == 1e-4:  # |g| < 1e-6 = eps / 100: at most lr / 100 (the rounding of a weight near 1 adds 1.2e-7)
+        assert moved[tiny].max() < 1e-5 + 1.2e-7, f"tiny gradients: largest step {moved[tiny].max().item()}"
+    else:  # eps far below every such gradient: Adam moves them by lr as well
+        some = tiny & (g > 1e-7)
+        assert some.sum() > 10 and (moved[some] > 0.9e-3).all(), (int(some.sum()), moved[some].min().item())
+    bf16 = S._setup(dataclasses.replace(cfg, dtype="bfloat16", sft_steps=0), S._distributed_setup(cfg), print)[3]
+    assert [g["eps"] for g in bf16.opt.param_groups] == [eps]
+
+
 def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, capsys, monkeypatch):
     """The demo's warm start ends at the first check (every 20 steps) whose greedy accuracy on the dev problems
     reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
