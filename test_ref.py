@@ -2118,12 +2118,13 @@ def test_grpo_adam_eps_damps_tiny_gradients(eps):
     text: README, "Format drift"), one far above it moves by lr. One GRPO step on tiny.json after a short warm start;
     the gradients are the step's own (the digits reward: no group ties). bfloat16's masters get the same eps."""
     assert S.DemoFlags().adam_eps == 1e-8 and S.TrainConfig().adam_eps == 1e-8
-    kw = dict(config=TINY_JSON, sft_steps=3, steps=1, prompts_per_step=4, group_size=4, reward="digits", lr=1e-3)
-    cfg = S.TrainConfig(**kw, adam_eps=eps, device="cpu")
-    model, tok, problems, opt, ref, _ = S._setup(cfg, S._distributed_setup(cfg), lambda *_: None)
+    cfg = S.TrainConfig(config=TINY_JSON, sft_steps=3, steps=1, prompts_per_step=4, group_size=4, reward="digits",
+                        lr=1e-3, adam_eps=eps, device="cpu")  # fmt: skip
+    dist, quiet = S._distributed_setup(cfg), lambda *_: None
+    model, tok, problems, opt, ref, _ = S._setup(cfg, dist, quiet)
     assert [g["eps"] for g in opt.param_groups] == [eps]
     before = [p.detach().clone() for p in model.parameters()]
-    S._train_step(cfg, 0, model, tok, opt, ref, problems, S._distributed_setup(cfg), None)
+    S._train_step(cfg, 0, model, tok, opt, ref, problems, dist, None)
     grads = [torch.zeros_like(p) if p.grad is None else p.grad.abs() for p in model.parameters()]  # None: no step
     g = torch.cat([x.flatten() for x in grads])  # what Adam stepped with (after clipping)
     moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(model.parameters(), before)])
@@ -2135,7 +2136,7 @@ def test_grpo_adam_eps_damps_tiny_gradients(eps):
     else:  # eps far below every such gradient: Adam moves them by lr as well
         some = tiny & (g > 1e-7)
         assert some.sum() > 10 and (moved[some] > 0.9e-3).all(), (int(some.sum()), moved[some].min().item())
-    bf16 = S._setup(dataclasses.replace(cfg, dtype="bfloat16", sft_steps=0), S._distributed_setup(cfg), print)[3]
+    bf16 = S._setup(dataclasses.replace(cfg, dtype="bfloat16", sft_steps=0), dist, quiet)[3]
     assert [g["eps"] for g in bf16.opt.param_groups] == [eps]
 
 
