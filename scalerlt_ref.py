@@ -1849,7 +1849,7 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
         m, kind = f.metadata, f.type.split(" |")[0]
         kw = {k: m[k] for k in ("help", "choices", "required") if k in m}
         if kind == "bool":
-            kw["action"] = "store_true"
+            kw["action"] = argparse.BooleanOptionalAction  # --x and --no-x: a preset may default to on
         elif kind in ("int", "float", "list[int]"):
             kw.update(type=float if kind == "float" else int, nargs="+" if kind == "list[int]" else None)
         if "exclusive" in m and group is None:
@@ -2008,6 +2008,7 @@ class TrainConfig:
         "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
     )
     loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1e3))
+    stop_required: bool = _flag(False, "a completion cut by --max-new-tokens, no stop id, scores 0 (DAPO's overlong)")
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
@@ -2153,7 +2154,8 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     ro = rollout(model, prompts, policy, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, sequence_ids=gids)
     texts = [tok.decode(c) for c in ro.completions]
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
-    task = [reward_fn(t, p["answer"], cfg.reward) for p, t in zip(batch, texts)]
+    stopped = [c[-1] in policy.stop_ids or not cfg.stop_required for c in ro.completions]
+    task = [reward_fn(t, p["answer"], cfg.reward) * s for p, t, s in zip(batch, texts, stopped)]
     rewards = torch.tensor([loop_cost_reward(x, e, cfg.loop_cost) for x, e in zip(task, ro.exit_loops)])
     if cfg.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
@@ -3605,7 +3607,7 @@ DEMO_PRESET = {
     "steps": (40, "GRPO steps"),
     "prompts_per_step": (64, "prompts per GRPO step"),
     "group_size": (4, "completions per prompt"),
-    "lr": (7e-4, "GRPO's peak learning rate"),
+    "lr": (1e-3, "GRPO's peak learning rate"),
     "adam_eps": (1e-8, "GRPO's AdamW eps: gradients far below it move weights less than lr (README, the demo)"),
     "lr_schedule": ("cosine", "after the warm-up: constant, or a cosine to 0 after the last step"),
     "warmup_steps": (5, "GRPO steps of linear learning-rate warm-up"),
@@ -3623,6 +3625,7 @@ DEMO_PRESET = {
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": ("threshold", "threshold: the exit rule; sampled: exits drawn from the gates, learned by GRPO"),
     "loop_cost": (0.0, "reward -= this x the sequence's mean exit loop"),
+    "stop_required": (True, "a completion that never stops (cut by --max-new-tokens) scores 0 (README, the demo)"),
     "top_k": (0, TOP_K_HELP),
     "top_p": (1.0, TOP_P_HELP),
     "scale_rewards": ("group", "advantage scaling (none: Dr. GRPO, where the loop cost's size matters)"),
@@ -3717,7 +3720,7 @@ def cmd_demo(flags) -> int:
         | {"gain_se": round(gain_se, 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
         | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
         | {"exit_histogram": after["exit_histogram"]}
-        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards")}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards", "stop_required")}
         | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
         | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
         | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}

@@ -2111,6 +2111,30 @@ def test_warm_start_steps_at_its_rate():
     assert (moved > 1.5e-3 * 0.99).float().mean() > 0.5, f"share at the rate {(moved > 1.5e-3 * 0.99).float().mean()}"
 
 
+@pytest.mark.parametrize("required", [False, True])
+def test_stop_required_scores_a_completion_cut_at_the_limit_zero(monkeypatch, required):
+    """--stop-required (on in the demo, off in train): a completion that reaches --max-new-tokens without sampling a
+    stop id scores 0 whatever its text (DAPO's overlong punishment: README, "A completion must stop"); one that stopped
+    keeps its score. Every text scores 1 here, and half the bytes stop, so both kinds occur in one step."""
+    assert S.DemoFlags().stop_required and not S.TrainConfig().stop_required
+    flags = S.build_parser().parse_args(["demo", "--no-stop-required"])
+    assert flags.stop_required is False  # a preset that is on can be turned off
+    seen, rollout = {}, S.rollout
+    monkeypatch.setattr(S, "rollout", lambda *a, **k: seen.setdefault("ro", rollout(*a, **k)))
+    monkeypatch.setattr(S, "reward_fn", lambda *a: 1.0)
+    monkeypatch.setattr(S, "grpo_update", lambda model, opt, ro, rewards, *a: seen.update(rewards=rewards) or {})
+    cfg = S.TrainConfig(config=TINY_JSON, prompts_per_step=8, group_size=2, max_new_tokens=3, device="cpu",
+                        stop_ids=list(range(0, 256, 2)), stop_required=required)  # fmt: skip
+    dist = S._distributed_setup(cfg)
+    model, tok, problems, opt, ref, _ = S._setup(cfg, dist, lambda *_: None)
+    S._train_step(cfg, 0, model, tok, opt, ref, problems, dist, None)
+    cut = [c[-1] not in tok.stop_ids for c in seen["ro"].completions]
+    assert any(cut) and not all(cut), cut
+    assert all(len(c) == 3 for c, k in zip(seen["ro"].completions, cut) if k)  # cut: at the limit
+    want = [0.0 if required and k else 1.0 for k in cut]
+    assert seen["rewards"].tolist() == want, (seen["rewards"].tolist(), want)
+
+
 @pytest.mark.parametrize("eps", [1e-8, 1e-4])
 def test_grpo_adam_eps_damps_tiny_gradients(eps):
     """--adam-eps reaches GRPO's AdamW (PyTorch's 1e-8 by default, in train and the demo), whose first step moves a
