@@ -2154,8 +2154,8 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     ro = rollout(model, prompts, policy, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, sequence_ids=gids)
     texts = [tok.decode(c) for c in ro.completions]
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
-    stopped = [c[-1] in policy.stop_ids or not cfg.stop_required for c in ro.completions]
-    task = [reward_fn(t, p["answer"], cfg.reward) * s for p, t, s in zip(batch, texts, stopped)]
+    scored = [c[-1] in policy.stop_ids or not cfg.stop_required for c in ro.completions]  # False: cut, scores 0
+    task = [reward_fn(t, p["answer"], cfg.reward) * s for p, t, s in zip(batch, texts, scored)]
     rewards = torch.tensor([loop_cost_reward(x, e, cfg.loop_cost) for x, e in zip(task, ro.exit_loops)])
     if cfg.log_rollouts and out:  # every rank writes its own shard: sequence ids are global
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
