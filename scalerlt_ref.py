@@ -284,8 +284,7 @@ class LoopedLM(nn.Module):
         x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); seq, pos (n,)
         long; k, v: this loop's K/V per layer, each (B, KVH, T, D), where the rows' K/V are written.
         Returns h (n, C). Under "invariant" numerics each layer runs one row at a time (rows in
-        position order, so a row's K/V is written before a later row of the call reads it).
-        """
+        position order, so a row's K/V is written before a later row of the call reads it)."""
         cos, sin = self.rope()
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
             x = by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
@@ -311,9 +310,7 @@ EXIT_RULES = ("survival", "hf")
 
 def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """Contract §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
-
-    CDF_j = 1 - prod_{i<=j}(1 - lam_i), lam in float32 (float64 for a float64 model); CDF_R = 1.
-    """
+    CDF_j = 1 - prod_{i<=j}(1 - lam_i), lam in float32 (float64 for a float64 model); CDF_R = 1."""
     acc = acc_dtype(gate_logits.dtype)
     lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (..., j)
     remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lam): not exited yet
@@ -326,7 +323,6 @@ def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
 def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
-
     lam_i = sigmoid(g_i); p_i = lam_i * remaining and remaining *= 1 - lam_i for i < R, p_R = remaining;
     CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
     NOTE: three traps, measured on this CPU build. (1) bfloat16 cumsum accumulates in float32 and rounds only
@@ -335,8 +331,7 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     call's tail under 32 floats, a lone element); `sigmoid_elementwise` takes the scalar path always: HF's
     bits when its call has under 32 gates, and independent of batching (bfloat16: no difference). (3) p_1..p_j
     do not depend on later loops and the cumsum runs in order: a prefix of gates gives a prefix of the CDF,
-    so the rule can decide after every loop.
-    """
+    so the rule can decide after every loop."""
     lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
     pdf = []
@@ -358,8 +353,7 @@ def exit_loops(
     NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
     float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
     model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
-    bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0.
-    """
+    bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0."""
     n, j = gate_logits.shape
     if tau is None or j == 0:
         return [R if j >= R else None] * n
@@ -412,8 +406,7 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
     gates give the same bits. log(1 - lam) is logsigmoid(-g) and log lam is logsigmoid(g) (finite where
     1 - sigmoid(g) rounds to 0); logsigmoid gave every element the same bits whatever the tensor's length
     (measured on this CPU build; the invariant-numerics tests would catch a change). The terms are added
-    loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN).
-    """
+    loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN)."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -461,6 +454,7 @@ class Call:
     loop: int
     rows: list[tuple[int, int]]
     readout: list[tuple[int, int]] = field(default_factory=list)
+    share: list[tuple[int, int]] = field(default_factory=list)  # after the rows: (dst, src) cache copies
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str) -> torch.Tensor:
@@ -483,6 +477,10 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     assert bool((cache.depth[seq] >= r)[needed].all()), f"call at loop {r} would attend to a K/V never computed"
     h = model.loop(x, seq, pos, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
     cache.h[seq, pos] = h
+    if call.share:  # (`shared_prefix`) each (dst, src): sequence dst's cache becomes sequence src's, all of it
+        dst, src = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*call.share))  # (n_share,) each
+        for t in [*(t for kv in (cache.k, cache.v) for layer in kv for t in layer), cache.h, cache.depth]:
+            t[dst] = t[src]
     return h
 
 
@@ -531,10 +529,8 @@ class Policy:
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
         for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {getattr(self, name)!r}"
-                )
+            if (v := getattr(self, name)) not in allowed:
+                raise ValueError(f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {v!r}")
         if not (0 <= self.temperature < math.inf and self.min_loops >= 1 and math.isfinite(self.exit_threshold or 0)):
             raise ValueError(f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold or None: {self}")
         if not (self.top_k >= 0 and 0 < self.top_p <= 1 and isinstance(self.stop_ids, tuple)):
@@ -566,12 +562,10 @@ def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast"
 
 
 def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
-    """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the
-    policy. h (n, C), the call's output -> log-probs (n_out, V).
-
-    NOTE: the rollout (which samples from these rows) and the replay (which scores the recorded tokens
-    with them) both call this, after the same `execute_call`: that is why their log-probs agree bit for bit.
-    """
+    """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the policy:
+    h (n, C), the call's output -> log-probs (n_out, V). NOTE: the rollout (which samples from these rows) and
+    the replay (which scores the recorded tokens with them) both call this, after the same `execute_call`: that
+    is why their log-probs agree bit for bit."""
     index = {row: i for i, row in enumerate(call.rows)}
     rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
@@ -585,8 +579,7 @@ def deciding_rows(call: Call, first: list[int], exits: list[list[int | None]]) -
     Row (b, p) produces completion token tok_index = p - first[b] (first[b]: the prompt's last position). It
     decides while that token's exit loop exits[b][tok_index] is undecided (None) or not passed
     (call.loop <= exit loop). So a prompt position, a position riding along past its exit, and a dense row
-    computing loops after its exit decide nothing.
-    """
+    computing loops after its exit decide nothing."""
     out = []
     for i, (b, p) in enumerate(call.rows):
         tok_index = p - first[b]
@@ -621,8 +614,7 @@ class Schedule:
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
 
-    def row_loops(self) -> int:
-        """Total (row, loop) units of work: the sum of the calls' row counts."""
+    def row_loops(self) -> int:  # total (row, loop) units of work: the sum of the calls' row counts
         return sum(len(call.rows) for call in self.calls)
 
 
@@ -642,10 +634,8 @@ class Rollout:
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
         T = max(len(prompt) + len(c) for prompt, c in zip(self.prompts, self.completions))
-        out = torch.zeros(len(self.prompts), T, dtype=torch.long)
-        for b, (prompt, c) in enumerate(zip(self.prompts, self.completions)):
-            out[b, : len(prompt) + len(c)] = torch.tensor(prompt + c, dtype=torch.long)
-        return out.to(device) if device is not None else out
+        rows = [prompt + c + [0] * (T - len(prompt) - len(c)) for prompt, c in zip(self.prompts, self.completions)]
+        return torch.tensor(rows, dtype=torch.long, device=device)  # (B, T)
 
     def select(self, seqs: list[int]) -> Rollout:
         """Sequences `seqs` alone, with no schedule (its calls batch every sequence): teacher forcing's input."""
@@ -657,6 +647,16 @@ class Rollout:
 def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tensor:
     """exit_loops (B lists) -> (B, N) long, padded with 0 (no token)."""
     return torch.tensor([e + [0] * (N - len(e)) for e in exit_loops], dtype=torch.long, device=device)
+
+
+def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
+    """Sequences with the same prompt (a GRPO group) share it: the first computes every loop of the prompt's
+    positions before its last, and the last call copies its cache to the others (`share`). No calls when all
+    prompts differ. Rollouts, replays and teacher forcing start with these calls: their bits stay one schedule's."""
+    src = [prompts.index(prompt) for prompt in prompts]  # each sequence's leader: the first with its prompt
+    share = [(b, a) for b, a in enumerate(src) if a != b]  # (dst, src): the cache copies
+    rows = [(b, p) for b in sorted(set(src)) for p in range(len(prompts[b]) - 1)]  # leaders' prompts, but the last
+    return [Call(r, rows, share=share if r == R else []) for r in range(1, R + 1)] if rows and share else []
 
 
 @torch.no_grad()
@@ -719,12 +719,14 @@ def rollout(
     # the gate logits of loops 1..e of each token's position (sampled exits: its exit log-prob's input)
     token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
     first = [len(prompt) - 1 for prompt in prompts]  # the position that produces each sequence's token 0
-    completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], []  # tokens, exit loops, calls
+    completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], shared_prefix(prompts, R)
+    for call in calls:  # a group's prompt, once: its positions before the last are done with every loop
+        execute_call(model, call, tokens, cache, numerics)
     active = list(range(B))
     # Each pass of this loop is one step: every active sequence samples one token from its newest position
     # (the first pass is the prefill: the newest position is the prompt's last one).
     while active:
-        runs_all = policy.mode == "dense" or (not calls and kv.prefill_all_loops)
+        runs_all = policy.mode == "dense" or (not completions[active[0]] and kv.prefill_all_loops)  # prefill
         newest = {b: first[b] + len(completions[b]) for b in active}
         gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # the newest position's gate logits
         for b in active:
@@ -840,8 +842,7 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients.
 
     Returns the (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged; with
-    `with_exits`, (tokens', exits') log-probs, the second equal to `ro.exit_logprobs` bit for bit.
-    """
+    `with_exits`, (tokens', exits') log-probs, the second equal to `ro.exit_logprobs` bit for bit."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
@@ -852,12 +853,13 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
     every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
-    kv, calls = KV_POLICIES[ro.policy.kv], []
+    kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
+    shared = bool(calls)  # then every prompt's positions before its last are done
     for r in range(1, loops + 1):
         rows = [
             (b, p)
             for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-            for p in range(len(prompt) + len(c) - 1)  # the last token is never an input
+            for p in range(len(prompt) - 1 if shared else 0, len(prompt) + len(c) - 1)  # the last token: no input
             if kv.teacher_forced_runs(p, len(prompt) - 1, exits[p - len(prompt) + 1] if p >= len(prompt) else 0, r)
         ]
         readout = [
@@ -991,8 +993,8 @@ def grpo_loss(
     with torch.no_grad():
         clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
         stats["clip_ratio"] = float((clipped.float() * maskf).sum() / maskf.sum().clamp_min(1))
-        stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
-        stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
+        kept = ratio[mask] if mask.any() else torch.ones(1)  # (n_tokens,)
+        stats["ratio_max"], stats["ratio_min"] = float(kept.max()), float(kept.min())
     return loss, stats
 
 
@@ -1004,8 +1006,7 @@ class ReplayMismatchError(RuntimeError):
     """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
 
-# GRPO's guard, its audit of iteration 1 and the data-parallel hooks: support that `grpo_update` (next) calls in
-# one line each, so that its loop shows only the algorithm.
+# GRPO's guard and its audit of iteration 1: `grpo_update` calls each in one line, so its loop is the algorithm.
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
@@ -1054,8 +1055,7 @@ def grpo_update(
     recorded log-probs (with `check_replay` the replay runs anyway and any token whose bits differ refuses
     the step). Iterations 2..mu: the replay with the new weights. Sampled exits: every log-prob is the step's
     joint one, token + exit, so the gate learns from the same advantage as the tokens. `all_reduce` (data
-    parallel) sums across processes.
-    """
+    parallel) sums across processes."""
     mask = ro.mask.to(model.device)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each, exact
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
@@ -2357,15 +2357,15 @@ def _sampling(rec: dict) -> tuple[float, int, float, str]:
 
 
 def schedule_to_json(schedule: Schedule) -> str:
-    """A schedule as one JSON object: its policy's fields, dtype, loops and calls (loop, rows, readout)."""
+    """A schedule as one JSON object: its policy's fields, dtype, loops and calls (loop, rows, readout, share)."""
     d = dataclasses.asdict(schedule.policy) | {"dtype": schedule.dtype, "loops": schedule.loops}
-    return json.dumps(d | {"calls": [{"loop": c.loop, "rows": c.rows, "readout": c.readout} for c in schedule.calls]})
+    return json.dumps(d | {"calls": [dataclasses.asdict(c) for c in schedule.calls]})
 
 
 def schedule_from_json(text: str) -> Schedule:
     """A schedule written by `schedule_to_json` (missing keys: defaults), its calls checked (`execute_call` trusts)."""
     d = json.loads(text)
-    calls = [Call(c["loop"], [tuple(r) for r in c["rows"]], [tuple(r) for r in c["readout"]]) for c in d["calls"]]
+    calls = [Call(c["loop"], *([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share"))) for c in d["calls"]]
     for c in calls:
         if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
             raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")

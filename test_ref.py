@@ -1393,8 +1393,11 @@ def test_each_loop_of_each_position_computed_once_in_order(case, mode):
     loops_of: dict = {}
     for b, p, r in units:
         loops_of.setdefault((b, p), []).append(r)
-    # every prompt position and every sampled token but the last (nothing reads past it) is computed
-    assert len(loops_of) == sum(len(p) + len(c) - 1 for p, c in zip(ro.prompts, ro.completions)), len(loops_of)
+    # every prompt position and every sampled token but the last (nothing reads past it) is computed, but the
+    # prompt positions a group's later sequences copy from its first (`shared_prefix`: equal prompts drawn)
+    copied = sum(len(ro.prompts[b]) - 1 for c in ro.schedule.calls for b, _ in c.share)
+    expect = sum(len(p) + len(c) - 1 for p, c in zip(ro.prompts, ro.completions)) - copied
+    assert len(loops_of) == expect, (len(loops_of), expect)
     for (b, p), rs in loops_of.items():
         assert rs == list(range(1, len(rs) + 1)), f"sequence {b} position {p} computed loops {rs}"
 
@@ -1409,6 +1412,42 @@ def test_deferred_never_does_more_work_than_dense(case):
     assert dense.completions == deferred.completions and dense.exit_loops == deferred.exit_loops
     assert deferred.schedule.row_loops() <= dense.schedule.row_loops()
     assert len(deferred.schedule.calls) <= len(dense.schedule.calls)
+
+
+@examples(12)
+@given(case=cases(filters=FILTERS, batch=(1, 3), new_tokens=(1, 5)), group=between(2, 3), dtype=dtypes)
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, dtype, exit_policy):
+    """Sequences with one prompt (a GRPO group) share it (`shared_prefix`): the group's first sequence computes
+    the prompt's positions before its last, each loop once, and the others copy them. Under invariant numerics
+    that changes no bits: each sequence samples what it samples alone, and replay and teacher forcing agree."""
+    model, kw = case.model(dtype), dict(mode="deferred", numerics="invariant", exit_policy=exit_policy)
+    prompts = [p for p in case.prompts for _ in range(group)]
+    ro = dataclasses.replace(case, prompts=prompts).rollout(model, **kw)
+    for b, prompt in enumerate(prompts):  # alone: no other sequence to share with; its own generator
+        alone = dataclasses.replace(case, prompts=[prompt]).rollout(model, **kw, sequence_ids=[b])
+        assert (alone.completions[0], alone.exit_loops[0]) == (ro.completions[b], ro.exit_loops[b]), b
+        for x, y in ((alone.logprobs[0], ro.logprobs[b]), (alone.exit_logprobs[0], ro.exit_logprobs[b])):
+            assert torch.equal(x, y), f"sequence {b}, grouped vs alone: max |diff| = {maxdiff(x, y):.3e}"
+    leader = [prompts.index(p) for p in prompts]
+    units = Counter((b, p, c.loop) for c in ro.schedule.calls for b, p in c.rows if p < len(prompts[b]) - 1)
+    loops = range(1, case.cfg.total_ut_steps + 1)
+    expect = {(b, p, r) for b in set(leader) for p in range(len(prompts[b]) - 1) for r in loops}  # each exactly once
+    assert set(units) == expect and set(units.values()) <= {1}, sorted(set(units) ^ expect)[:5]
+    tok, ext = S.replay_logprobs(model, ro, with_exits=True)
+    assert torch.equal(tok, ro.logprobs) and torch.equal(ext, ro.exit_logprobs), maxdiff(tok, ro.logprobs)
+    tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, ro, "invariant", with_exits=True))
+    assert torch.equal(tok, ro.logprobs), f"teacher-forced: max |diff| = {maxdiff(tok, ro.logprobs):.3e}"
+    assert torch.equal(ext, ro.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, ro.exit_logprobs):.3e}"
+    if dtype == torch.float32:  # the gradient through the copies: the sum of each sequence's own, to rounding
+        grads = []
+        for parts in ([list(range(len(prompts)))], [[b] for b in range(len(prompts))]):
+            model.zero_grad()
+            for seqs in parts:
+                tok, ext = S.teacher_forced_logprobs(model, ro.select(seqs), "invariant", with_exits=True)
+                (tok + ext).sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert torch.allclose(*grads, rtol=1e-4, atol=1e-5), f"gradient: max |diff| = {maxdiff(*grads):.3e}"
 
 
 @examples(25)
