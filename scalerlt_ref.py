@@ -461,7 +461,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     """Execute one call; the ONE function through which rollouts, replays and teacher forcing compute.
 
     tokens (B, T) long; the rows' input is their embedding at loop 1, else their loop r-1 output from
-    `cache.h`. Updates the cache (K/V, h, depth) and returns the rows' loop output h_r (n, C).
+    `cache.h`. Updates the cache (K/V, h, depth; then the `share` copies); returns the rows' output h_r (n, C).
     NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this.
     """
     r, dev = call.loop, tokens.device
@@ -607,7 +607,7 @@ def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -
 
 @dataclass
 class Schedule:
-    """The ordered calls of a rollout (prefill included), plus what is needed to execute them again."""
+    """The ordered calls of a rollout (shared prompt and prefill included), plus what executes them again."""
 
     calls: list[Call]
     policy: Policy  # the rollout's own (mode, numerics, kv, exit rule and policy, ...)
