@@ -650,12 +650,12 @@ def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tens
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """Sequences with the same prompt (a GRPO group) share it: the first computes every loop of the prompt's
-    positions before its last, and the last call copies its cache to the others (`share`). No calls when all
-    prompts differ. Rollouts, replays and teacher forcing start with these calls: their bits stay one schedule's."""
+    """Sequences with the same prompt (a GRPO group) share it: the group's first computes every loop of the prompt's
+    positions before its last, and the last call copies its cache to the others (`share`). A prompt no other sequence
+    has is left to the deferral rule. Rollouts, replays and teacher forcing all start with these calls."""
     src = [prompts.index(prompt) for prompt in prompts]  # each sequence's leader: the first with its prompt
     share = [(b, a) for b, a in enumerate(src) if a != b]  # (dst, src): the cache copies
-    rows = [(b, p) for b in sorted(set(src)) for p in range(len(prompts[b]) - 1)]  # leaders' prompts, but the last
+    rows = [(b, p) for b in sorted({a for _, a in share}) for p in range(len(prompts[b]) - 1)]  # the leaders' prompts
     return [Call(r, rows, share=share if r == R else []) for r in range(1, R + 1)] if rows and share else []
 
 
@@ -851,15 +851,15 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of
-    every sequence at once, read out at the recorded exit loops (exits are data, never re-decided)."""
+    """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of every
+    sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops (exits are data)."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    shared = bool(calls)  # then every prompt's positions before its last are done
+    grouped = {b for call in calls[-1:] for pair in call.share for b in pair}  # their prompts are done
     for r in range(1, loops + 1):
         rows = [
             (b, p)
             for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-            for p in range(len(prompt) - 1 if shared else 0, len(prompt) + len(c) - 1)  # the last token: no input
+            for p in range(len(prompt) - 1 if b in grouped else 0, len(prompt) + len(c) - 1)  # the last token: no input
             if kv.teacher_forced_runs(p, len(prompt) - 1, exits[p - len(prompt) + 1] if p >= len(prompt) else 0, r)
         ]
         readout = [
@@ -2030,9 +2030,7 @@ class TrainConfig:
     mu: int = _flag(1, "inner iterations per batch of rollouts", within=(1, 1000))
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
-    reward: str = _flag(
-        "strict", "reward: GSM8K strict/lenient correctness, or 'digits' (smoke tests)", choices=REWARDS
-    )
+    reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness or 'digits' (smoke tests)", choices=REWARDS)
     log_rollouts: bool = _flag(False, "append every rollout record to OUT/rollouts.rankN.jsonl")
     out: str | None = _flag(
         None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl", out="folder"
@@ -2367,8 +2365,9 @@ def schedule_from_json(text: str) -> Schedule:
     d = json.loads(text)
     calls = [Call(c["loop"], *([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share"))) for c in d["calls"]]
     for c in calls:
-        if c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows):
-            raise ValueError(f"call at loop {c.loop}: rows must be sorted, unique (sequence, position) pairs")
+        bad_share = any(len(pair) != 2 or pair[0] == pair[1] or min(pair) < 0 for pair in c.share)  # (dst, src)
+        if not c.rows or c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows) or bad_share:
+            raise ValueError(f"call at loop {c.loop}: bad rows (sorted, unique (b, p) pairs) or share (dst != src)")
     d["stop_ids"] = tuple(d.get("stop_ids", ()))  # JSON has lists, a Policy tuples
     policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
     return Schedule(calls, policy, d["dtype"], d["loops"])

@@ -1196,6 +1196,16 @@ def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
     assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
 
 
+def test_schedule_json_refuses_a_bad_share_pair():
+    """A share pair copies one sequence's cache onto another: a sequence onto itself or a negative index is refused."""
+    call = {"loop": 1, "rows": [[0, 0], [1, 0]], "readout": []}
+    d = {"mode": "deferred", "numerics": "fast", "dtype": "torch.float32", "loops": 1, "calls": [call]}
+    assert S.schedule_from_json(json.dumps(d)).calls[0].share == []  # written before share pairs: none
+    for share in ([[1, 1]], [[-1, 0]], [[1, 0, 2]]):
+        with pytest.raises(ValueError, match="share"):
+            S.schedule_from_json(json.dumps(d | {"calls": [call | {"share": share}]}))
+
+
 def test_old_schedule_json_reads_as_survival():
     """Schedules written before exit rules were data were all decided by survival."""
     d = {"mode": "dense", "numerics": "fast", "dtype": "torch.float32", "loops": 2, "calls": []}
@@ -1415,14 +1425,17 @@ def test_deferred_never_does_more_work_than_dense(case):
 
 
 @examples(12)
-@given(case=cases(filters=FILTERS, batch=(1, 3), new_tokens=(1, 5)), group=between(2, 3), dtype=dtypes)
+@given(case=cases(filters=FILTERS, batch=(1, 3), new_tokens=(1, 5)), group=between(2, 3), mode=modes, dtype=dtypes)
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
-def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, dtype, exit_policy):
+def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, mode, dtype, exit_policy):
     """Sequences with one prompt (a GRPO group) share it (`shared_prefix`): the group's first sequence computes
     the prompt's positions before its last, each loop once, and the others copy them. Under invariant numerics
     that changes no bits: each sequence samples what it samples alone, and replay and teacher forcing agree."""
-    model, kw = case.model(dtype), dict(mode="deferred", numerics="invariant", exit_policy=exit_policy)
-    prompts = [p for p in case.prompts for _ in range(group)]
+    model, kw = case.model(dtype), dict(mode=mode, numerics="invariant", exit_policy=exit_policy)
+    # prompts of 2+ tokens (so there is a prefix to share); the second alone, the others in groups, and the first
+    # group not contiguous: it wraps around the batch
+    prompts = [[*p, 0] for i, p in enumerate(case.prompts) for _ in range(1 if i == 1 else group)]
+    prompts = prompts[1:] + prompts[:1]
     ro = dataclasses.replace(case, prompts=prompts).rollout(model, **kw)
     for b, prompt in enumerate(prompts):  # alone: no other sequence to share with; its own generator
         alone = dataclasses.replace(case, prompts=[prompt]).rollout(model, **kw, sequence_ids=[b])
@@ -1430,10 +1443,12 @@ def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, dtype
         for x, y in ((alone.logprobs[0], ro.logprobs[b]), (alone.exit_logprobs[0], ro.exit_logprobs[b])):
             assert torch.equal(x, y), f"sequence {b}, grouped vs alone: max |diff| = {maxdiff(x, y):.3e}"
     leader = [prompts.index(p) for p in prompts]
+    grouped = {b for b in range(len(prompts)) if leader.count(leader[b]) > 1}
     units = Counter((b, p, c.loop) for c in ro.schedule.calls for b, p in c.rows if p < len(prompts[b]) - 1)
     loops = range(1, case.cfg.total_ut_steps + 1)
-    expect = {(b, p, r) for b in set(leader) for p in range(len(prompts[b]) - 1) for r in loops}  # each exactly once
-    assert set(units) == expect and set(units.values()) <= {1}, sorted(set(units) ^ expect)[:5]
+    expect = {(b, p, r) for b in grouped if leader[b] == b for p in range(len(prompts[b]) - 1) for r in loops}
+    assert {u for u in units if u[0] in grouped} == expect and set(units.values()) <= {1}, sorted(units)[:5]
+    assert S.schedule_from_json(S.schedule_to_json(ro.schedule)).calls == ro.schedule.calls  # the copies travel
     tok, ext = S.replay_logprobs(model, ro, with_exits=True)
     assert torch.equal(tok, ro.logprobs) and torch.equal(ext, ro.exit_logprobs), maxdiff(tok, ro.logprobs)
     tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, ro, "invariant", with_exits=True))
@@ -1447,7 +1462,8 @@ def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, dtype
                 tok, ext = S.teacher_forced_logprobs(model, ro.select(seqs), "invariant", with_exits=True)
                 (tok + ext).sum().backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-        assert torch.allclose(*grads, rtol=1e-4, atol=1e-5), f"gradient: max |diff| = {maxdiff(*grads):.3e}"
+        scale = float(grads[1].abs().max())  # float32 sums in another order: rounding relative to the largest term
+        assert maxdiff(*grads) <= 1e-5 * scale, f"gradient: max |diff| = {maxdiff(*grads):.3e}, largest {scale:.3e}"
 
 
 @examples(25)
