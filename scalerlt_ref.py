@@ -993,8 +993,8 @@ def grpo_loss(
     with torch.no_grad():
         clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
         stats["clip_ratio"] = float((clipped.float() * maskf).sum() / maskf.sum().clamp_min(1))
-        kept = ratio[mask] if mask.any() else torch.ones(1)  # (n_tokens,)
-        stats["ratio_max"], stats["ratio_min"] = float(kept.max()), float(kept.min())
+        stats["ratio_max"] = float(ratio[mask].max()) if mask.any() else 1.0
+        stats["ratio_min"] = float(ratio[mask].min()) if mask.any() else 1.0
     return loss, stats
 
 

@@ -1431,7 +1431,7 @@ def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, mode,
     """Sequences with one prompt (a GRPO group) share it (`shared_prefix`): the group's first sequence computes
     the prompt's positions before its last, each loop once, and the others copy them. Under invariant numerics
     that changes no bits: each sequence samples what it samples alone, and replay and teacher forcing agree."""
-    model, kw = case.model(dtype), dict(mode=mode, numerics="invariant", exit_policy=exit_policy)
+    model, kw = case.model(dtype), {"mode": mode, "numerics": "invariant", "exit_policy": exit_policy}
     # prompts of 2+ tokens (so there is a prefix to share); the second alone, the others in groups, and the first
     # group not contiguous: it wraps around the batch
     prompts = [[*p, 0] for i, p in enumerate(case.prompts) for _ in range(1 if i == 1 else group)]
