@@ -15,25 +15,24 @@ The method in four lines:
   forward, `replay.detach() + (tf - tf.detach())`: GRPO's first-iteration ratios are exactly 1.
 - Optionally the exit loop is itself an action (`exit_policy="sampled"`), replayed and differentiated alike.
 
-Why bits differ at all: a floating-point result depends on how an operation is batched (kernels are picked
-by shape), and a deferred rollout, a dense one and a teacher-forced learner batch a token's rows differently.
-Two fixes, both here: `numerics="invariant"` computes every row alone (slow; how the tests prove the
-algorithm), and the replay, which re-executes the *same* calls and so gets the *same* bits.
+Why bits differ at all: a floating-point result depends on how an operation is batched (kernels are picked by
+shape), and a deferred rollout, a dense one and a teacher-forced learner batch a token's rows differently. Two
+fixes, both here: `numerics="invariant"` computes every row alone (slow; how the tests prove the algorithm), and the
+replay, which re-executes the *same* calls and so gets the *same* bits.
 
-Reading order: config, numerics, model, exit rule, KV cache and calls, the policy, rollouts, learner
-log-probs, GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose:
-one process, one model; a dense KV cache; sampling on the CPU; no sliding window, RoPE scaling or attention
-bias (Ouro-1.4B uses none of them).
+Reading order: config, numerics, model, exit rule, KV cache and calls, the policy, rollouts, learner log-probs,
+GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose: one process, one
+model; a dense KV cache; sampling on the CPU; no sliding window, RoPE scaling or attention bias (Ouro-1.4B uses none
+of them).
 
-Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L
-layers, C width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a
-call, n_out rows read out in a call; in GRPO, G completions per prompt and P prompts per step; in attention,
-Bc the call's sequences, Tq their most rows, Tk key positions. Names: r a loop (1-based), j a number of loops
-run, p a position (0-based), b a sequence, c its completion, tok_index a completion token's index, tok a token
-(or a step's token log-prob, beside ext its exit's), e an exit loop, h a loop's output, x a layer's input, g
-gate logits, lam = sigmoid(g), tau the exit threshold, u a uniform draw, q/k/v queries/keys/values, ro a
-rollout, logp log-probabilities, tf teacher-forced, adv advantages (a: as a column), rw rewards, it GRPO's
-inner iteration.
+Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L layers, C
+width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a call, n_out rows read
+out in a call; in GRPO, G completions per prompt and P prompts per step; in attention, Bc the call's sequences, Tq
+their most rows, Tk key positions. Names: r a loop (1-based), j a number of loops run, p a position (0-based), b a
+sequence, c its completion, tok_index a completion token's index, tok a token (or a step's token log-prob, beside
+ext its exit's), e an exit loop, h a loop's output, x a layer's input, g gate logits, lam = sigmoid(g), tau the exit
+threshold, u a uniform draw, q/k/v queries/keys/values, ro a rollout, logp log-probabilities, tf teacher-forced, adv
+advantages (a: as a column), rw rewards, it GRPO's inner iteration.
 
 Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`."""
 
@@ -426,8 +425,7 @@ class LoopCache:
 
     k, v: [loop][layer] (B, KVH, T, D) keys (after RoPE) and values; h (B, T, C): each position's latest
     loop output, the input of its next loop; depth (B, T) long: how many loops each position has done.
-    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r; that is the whole bookkeeping.
-    """
+    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r; that is the whole bookkeeping."""
 
     k: list[list[torch.Tensor]]
     v: list[list[torch.Tensor]]
@@ -462,8 +460,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
 
     tokens (B, T) long; the rows' input is their embedding at loop 1, else their loop r-1 output from
     `cache.h`. Updates the cache (K/V, h, depth; then the `share` copies); returns the rows' output h_r (n, C).
-    NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this.
-    """
+    NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this."""
     r, dev = call.loop, tokens.device
     seq = torch.tensor([b for b, _ in call.rows], dtype=torch.long, device=dev)  # (n,)
     pos = torch.tensor([p for _, p in call.rows], dtype=torch.long, device=dev)  # (n,)
@@ -802,8 +799,7 @@ def execute_schedule(
     Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded tokens' log-probs
     read out where the calls say, and (sampled exits) `exit_logprob` of each recorded exit loop from the gates
     of its deciding rows (zeros for the threshold policy). `on_call(call, h)` sees every call's output and
-    `on_readout(call, logp)` the (n_out, V) policy of its readout rows (the oracle reads both).
-    """
+    `on_readout(call, logp)` the (n_out, V) policy of its readout rows (the oracle reads both)."""
     tokens = ro.tokens(model.device)  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv = ro.policy, KV_POLICIES[ro.policy.kv]
@@ -905,8 +901,7 @@ def learner_logprobs(
 
     `value` (token, exit log-probs) is the exact value when the caller has it (GRPO's first iteration: the
     sampler's records, since the weights are the ones that sampled); else the replay computes it. Returns
-    (logp, tf): the hybrid, and the joint teacher-forced log-probs themselves (what a naive learner uses).
-    """
+    (logp, tf): the hybrid, and the joint teacher-forced log-probs themselves (what a naive learner uses)."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
