@@ -943,6 +943,7 @@ class GRPOConfig:
     mu: int = 1  # inner iterations per batch of rollouts
     adv_eps: float = 1e-4
     check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
+    drop_tied: bool = False  # the loss leaves out every group whose rewards all tie (Contract §6)
 
 
 def grpo_loss(
@@ -984,7 +985,7 @@ def grpo_loss(
     count = {"token_mean": maskf.sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[grpo.loss_agg]
     if all_reduce is not None:  # data parallel: the count over every process
         count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
-    loss = per_token.sum() / (count.clamp_min(1) if torch.is_tensor(count) else count)
+    loss = per_token.sum() / (count.clamp_min(1) if torch.is_tensor(count) else max(count, 1))
     with torch.no_grad():
         clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
         stats["clip_ratio"] = float((clipped.float() * maskf).sum() / maskf.sum().clamp_min(1))
@@ -1061,8 +1062,10 @@ def grpo_update(
         with torch.no_grad():
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
     # NOTE: a sequence whose advantage is exactly 0 adds exactly 0 to the loss and only its tokens to the count: teacher
-    # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward)
-    live = torch.nonzero((adv != 0) | (grpo.beta > 0))[:, 0].tolist() or [0]
+    # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward).
+    # drop_tied (DAPO's filter, no refill): the loss is over the groups that do not tie alone: ties do not dilute a step
+    kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size) | (not grpo.drop_tied)  # (B,)
+    live = torch.nonzero((adv != 0) | (grpo.beta > 0) & kept)[:, 0].tolist() or [0]
     metrics, clip_ratios, live_ro, rows = {}, [], ro.select(live), torch.tensor(live, device=model.device)
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
@@ -1073,7 +1076,8 @@ def grpo_update(
         _finite_or_stop((logp.detach() < math.inf)[mask].all(), f"learner log-probs, iteration {it + 1}", model)
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
             metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
-        loss, stats = grpo_loss(logp, logp_old, adv, mask, grpo, ref_logp=ref_logp, all_reduce=all_reduce)
+        over = [x if x is None else x[kept] for x in (logp, logp_old, adv, mask, ref_logp)]  # all, unless drop_tied
+        loss, stats = grpo_loss(*over[:4], grpo, ref_logp=over[4], all_reduce=all_reduce)
         _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -2004,6 +2008,7 @@ class TrainConfig:
     )
     loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1e3))
     stop_required: bool = _flag(False, "a completion cut by --max-new-tokens, no stop id, scores 0 (DAPO's overlong)")
+    drop_tied: bool = _flag(False, "the loss leaves out every group whose rewards all tie (DAPO's filter, no refill)")
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
@@ -3620,6 +3625,7 @@ DEMO_PRESET = {
     "exit_policy": ("threshold", "threshold: the exit rule; sampled: exits drawn from the gates, learned by GRPO"),
     "loop_cost": (0.0, "reward -= this x the sequence's mean exit loop"),
     "stop_required": (True, "a completion that never stops (cut by --max-new-tokens) scores 0 (README, the demo)"),
+    "drop_tied": (True, "the loss leaves out groups whose rewards tie, which teach nothing (README, the demo)"),
     "top_k": (0, TOP_K_HELP),
     "top_p": (1.0, TOP_P_HELP),
     "scale_rewards": ("group", "advantage scaling (none: Dr. GRPO, where the loop cost's size matters)"),
@@ -3714,7 +3720,7 @@ def cmd_demo(flags) -> int:
         | {"gain_se": round(gain_se, 4), "mismatched_tokens": sum(m.get("exact/mismatched_tokens", 0) for m in history)}
         | {f"max_{k}_logp_difference": max(d, default=0.0) for k, d in diffs.items()}
         | {"exit_histogram": after["exit_histogram"]}
-        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards", "stop_required")}
+        | {k: getattr(flags, k) for k in ("exit_policy", "loop_cost", "scale_rewards", "stop_required", "drop_tied")}
         | {f"mean_exit_loop_{w}": round(r["mean_exit_loop"], 4) for w, r in both.items()}
         | {f"tokens_per_second_{w}": round(r["tokens_per_second"], 1) for w, r in both.items()}
         | {"grpo_steps": len(history), "seconds": round(time.time() - t0, 1)}
