@@ -963,7 +963,7 @@ def grpo_loss(
     aggregation are `grpo`'s. Aggregation over masked tokens:
     - "token_mean" (DAPO): sum over all tokens / number of tokens;
     - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
-    - "dr_grpo" (Dr. GRPO): sum / (B * N), N = max_new_tokens: a constant normaliser.
+    - "dr_grpo" (Dr. GRPO): sum / (B * N), N = max_new_tokens: a constant normaliser (B: the rows given).
     Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
     higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
     log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
@@ -1063,9 +1063,9 @@ def grpo_update(
             ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
     # NOTE: a sequence whose advantage is exactly 0 adds exactly 0 to the loss and only its tokens to the count: teacher
     # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward).
-    # drop_tied (DAPO's filter, no refill): the loss is over the groups that do not tie alone: ties do not dilute a step
+    # drop_tied (DAPO's filter, no refill): the loss and its count are over the groups that do not all tie (kept) only
     kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size) | (not grpo.drop_tied)  # (B,)
-    live = torch.nonzero((adv != 0) | (grpo.beta > 0) & kept)[:, 0].tolist() or [0]
+    live = torch.nonzero((adv != 0) | ((grpo.beta > 0) & kept))[:, 0].tolist() or [0]
     metrics, clip_ratios, live_ro, rows = {}, [], ro.select(live), torch.tensor(live, device=model.device)
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------

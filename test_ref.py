@@ -1846,15 +1846,24 @@ def test_teacher_forcing_skips_sequences_without_an_advantage_and_the_loss_keeps
 
 
 @examples(8)
-@given(gc=grpo_cases(), mode=modes, agg=st.sampled_from(S.LOSS_AGGREGATIONS), beta=st.sampled_from([0.0, 0.1]))
-def test_drop_tied_leaves_tied_groups_out_of_the_loss(gc, mode, agg, beta):
-    """drop_tied (the demo's default; Contract §6): group 2's rewards tie, and the loss of every iteration is the
-    loss of group 1 alone, bit for bit (its own token or sequence count, its own KL), with that loss's gradient
-    (float64, 1e-9); group 2 is never teacher-forced, KL or not. Without the flag the loss is the whole batch's
-    (its count includes group 2), so a flag that changes nothing fails, as does one that drops a sequence of
-    group 1 whose advantage is 0. When every group ties, the step runs with loss 0 and a zero gradient."""
+@given(
+    gc=grpo_cases(),
+    mode=modes,
+    agg=st.sampled_from(S.LOSS_AGGREGATIONS),
+    beta=st.sampled_from([0.0, 0.1]),
+    tie_first=st.booleans(),
+    tie=st.sampled_from([0.0, 1.0]),
+)
+def test_drop_tied_leaves_tied_groups_out_of_the_loss(gc, mode, agg, beta, tie_first, tie):
+    """drop_tied (the demo's default; Contract §6): one group's rewards tie (the first or the second), and the loss
+    of both iterations is the other group's alone, bit for bit (its own token or sequence count, its own KL), with
+    that loss's gradient (float64, 1e-9); the tied group is never teacher-forced, KL or not. In the other group
+    (1, 0, 0.5) the third sequence's advantage is exactly 0, and it stays in the loss: the rule is the group's.
+    Without the flag the loss is the whole batch's (its count includes the tied group), so a flag that changes
+    nothing fails. When every group ties, the step runs with loss 0 and a zero gradient."""
     case, G, rewards = gc
-    rewards[G:] = rewards[G]  # group 2 ties
+    one, tied = (slice(G, 2 * G), slice(0, G)) if tie_first else (slice(0, G), slice(G, 2 * G))
+    rewards[one], rewards[tied] = torch.tensor([1.0, 0.0, 0.5][:G]), tie
     model = case.model(torch.float64)
     ro = _grpo_rollout(case, model, mode)
     adv, real, seen, params = (
@@ -1863,10 +1872,10 @@ def test_drop_tied_leaves_tied_groups_out_of_the_loss(gc, mode, agg, beta):
         [],
         dict(model.named_parameters()),
     )
-    assert bool((adv[:G] != 0).any()) and bool((adv[G:] == 0).all()), adv
+    assert bool((adv[one][:2] != 0).all()) and bool((adv[one][2:] == 0).all()) and bool((adv[tied] == 0).all()), adv
     g = S.GRPOConfig(group_size=G, loss_agg=agg, beta=beta, mu=2, max_grad_norm=1e9, drop_tied=True)
     tf = real(model, ro)
-    logp, one = S.hybrid(ro.logprobs, tf), slice(0, G)  # one: group 1's sequences
+    logp = S.hybrid(ro.logprobs, tf)
     alone = S.grpo_loss(logp[one], ro.logprobs[one], adv[one], ro.mask[one], g, ref_logp=tf.detach()[one])[0]
     auto = dict(zip(params, torch.autograd.grad(alone, list(params.values()), allow_unused=True)))
 
@@ -1884,15 +1893,16 @@ def test_drop_tied_leaves_tied_groups_out_of_the_loss(gc, mode, agg, beta):
         ties = S.grpo_update(model, RecordingOptimizer(model), ro, torch.ones(len(rewards)), g, ref_model=model)
     finally:
         S.teacher_forced_logprobs = real
-    assert m["loss"] == alone.item(), f"drop_tied: loss {m['loss']!r}, group 1 alone {alone.item()!r} ({agg})"
+    assert m["loss"] == alone.item(), f"drop_tied: loss {m['loss']!r}, the untied group alone {alone.item()!r} ({agg})"
     whole = S.grpo_loss(logp, ro.logprobs, adv, ro.mask, no_kl)[0].item()
     assert off["loss"] == whole and (whole != alone.item() or whole == 0.0), (off["loss"], whole, alone.item(), agg)
-    group1 = [c for c, a in zip(ro.completions[:G], adv[:G]) if a != 0 or beta > 0]
-    assert seen[:k] == [ro.completions] * (k - 2) + [group1] * 2, f"teacher-forced {[len(x) for x in seen[:k]]}"
+    forced = [c for c, a in zip(ro.completions[one], adv[one]) if a != 0 or beta > 0]
+    assert seen[:k] == [ro.completions] * (k - 2) + [forced] * 2, f"teacher-forced {[len(x) for x in seen[:k]]}"
     assert len(opt.records) == 2, len(opt.records)
-    for n, grad in opt.records[0][1].items():
-        d = maxdiff(grad, auto[n])
-        assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"{n}: max |applied - group 1's| = {d:.3e}"
+    for it, (_, grads) in enumerate(opt.records, 1):
+        for n, grad in grads.items():
+            d = maxdiff(grad, auto[n])
+            assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"iteration {it}, {n}: max |applied - alone| {d:.3e}"
     assert ties["loss"] == 0.0 and ties["grad_norm"] == 0.0, ties
 
 
