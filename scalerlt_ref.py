@@ -3047,7 +3047,9 @@ def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
 
 
 def cmd_verify(args) -> int:
-    """Exit 0: all within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
+    """Check another implementation's rollout records against this reference. Recompute every recorded token's
+    log-prob at its recorded exit loop (teacher-forced) and check every exit loop against the exit rule. Exit 0: all
+    within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
     model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
     records = read_records(args.rollouts, model.config)
     opts = VerifyOptions.for_engine(
@@ -3134,7 +3136,9 @@ def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
 
 
 def cmd_rollout(args) -> int:
-    """Write rollout records (JSONL) for prompts given as {"prompt_ids": [...]} or {"prompt": "text"}."""
+    """Sample completions and write rollout records (JSONL). Prompts: {"prompt_ids": [...]} or {"prompt": "text"};
+    one record per sequence: prompt_ids, completion_ids, exit_loops (1-based), logprobs, temperature, top_k, top_p,
+    logprob_mode."""
     model = _load_model_arg(args, DTYPES[args.dtype])
     if args.eos_id is not None and args.eos_id >= model.config.vocab_size:
         raise ValueError(f"--eos-id {args.eos_id} is outside the vocabulary 0..{model.config.vocab_size - 1}")
@@ -3423,7 +3427,9 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
 
 
 def cmd_bench(args) -> int:
-    """Dense vs deferred throughput, replay, learner, KV cache, memory and the hybrid's mismatch: a table, then JSON."""
+    """Dense vs deferred throughput, replay, learner and cache costs. Measure, in bfloat16 and float32: dense vs
+    deferred rollout tokens/s at batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV cache,
+    memory, and the log-prob mismatch a naive learner would have: a table, then JSON."""
     s, measured = _BenchSetup(args), []
     if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
         text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
@@ -3588,6 +3594,8 @@ class BenchFlags:
 
 
 def cmd_train(cfg: TrainConfig) -> int:
+    """GRPO with exact log-probs (torchrun for several processes). GRPO from a config (warm-started) or an HF
+    checkpoint, on GSM8K JSONL or the built-in arithmetic task. Run under torchrun for data parallel."""
     try:
         h = train(cfg)["history"]
     except (NonFiniteError, ReplayMismatchError):
@@ -3667,7 +3675,8 @@ def _plot_history(plt, history: list[dict], R: int, before: dict, after: dict):
 
 
 def cmd_demo(flags) -> int:
-    """The main job: warm start, held-out accuracy, GRPO with deferred rollouts, accuracy again."""
+    """The main job: warm start, then GRPO with deferred rollouts (CPU, minutes). From nothing: warm start on the
+    built-in arithmetic task, held-out greedy accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON."""
     preset = {k: getattr(flags, k) for k, v in DEMO_PRESET.items() if isinstance(v, tuple)}
     cfg, t0 = TrainConfig(**preset, **DEMO_FIXED, subset=flags.problems), time.time()
     seen = {p["question"] for p in arithmetic_problems(flags.problems, seed=flags.seed)}
@@ -3730,51 +3739,21 @@ def cmd_demo(flags) -> int:
     return 0
 
 
-COMMANDS = {  # name: (its flags, its function, --help line, description)
-    "demo": (
-        DemoFlags,
-        cmd_demo,
-        "the main job: warm start, then GRPO with deferred rollouts (CPU, minutes)",
-        "From nothing: warm start on the built-in arithmetic task, held-out greedy "
-        "accuracy, GRPO with deferred rollouts, accuracy again. Last line: JSON.",
-    ),
-    "train": (
-        TrainConfig,
-        cmd_train,
-        "GRPO with exact log-probs (torchrun for several processes)",
-        "GRPO from a config (warm-started) or an HF checkpoint, on GSM8K JSONL "
-        "or the built-in arithmetic task. Run under torchrun for data parallel.",
-    ),
-    "rollout": (
-        RolloutFlags,
-        cmd_rollout,
-        "sample completions and write rollout records (JSONL)",
-        "Sample completions and write one record per sequence: prompt_ids, "
-        "completion_ids, exit_loops (1-based), logprobs, temperature, top_k, top_p, logprob_mode.",
-    ),
-    "verify": (
-        VerifyFlags,
-        cmd_verify,
-        "check another implementation's rollout records against this reference",
-        "Recompute every recorded token's log-prob at its recorded exit loop (teacher-forced) and check every exit "
-        "loop against the exit rule. Exit status 0: all within tolerance; 1: mismatches; 2: bad input.",
-    ),
-    "bench": (
-        BenchFlags,
-        cmd_bench,
-        "dense vs deferred throughput, replay, learner and cache costs",
-        "Measure, in bfloat16 and float32: dense vs deferred rollout tokens/s at "
-        "batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV "
-        "cache, and the log-prob mismatch a naive learner would have. Last line: JSON.",
-    ),
+COMMANDS = {  # name: (its flags, its function, whose docstring is the description: its first sentence, --help's line)
+    "demo": (DemoFlags, cmd_demo),
+    "train": (TrainConfig, cmd_train),
+    "rollout": (RolloutFlags, cmd_rollout),
+    "verify": (VerifyFlags, cmd_verify),
+    "bench": (BenchFlags, cmd_bench),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scalerlt_ref.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (cls, _, help, description) in COMMANDS.items():
-        add_flags(sub.add_parser(name, formatter_class=HELP, help=help, description=description), cls)
+    for name, (cls, fn) in COMMANDS.items():
+        doc = " ".join(fn.__doc__.split())
+        add_flags(sub.add_parser(name, formatter_class=HELP, help=doc.split(". ")[0], description=doc), cls)
     return parser
 
 
