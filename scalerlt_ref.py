@@ -39,6 +39,7 @@ Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -1765,14 +1766,16 @@ def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta:
 
 
 def sft_warm_start(
-    model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, stop=None
+    model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, dev=None, band=(1, 1)
 ) -> float:
     """Supervised steps on gold answers (Ouro objective with entropy bonus `beta`, completion tokens; batches of 32,
     AdamW at 1.5e-3), so GRPO starts at a pass rate in (0, 1).
-    `stop(model, tok, step)` may end it early: a non-empty answer says why (the demo: accuracy on its dev problems)."""
+    `dev(model, tok, step)` (the demo: greedy accuracy on its dev problems), checked every 20 steps and at the last,
+    ends it at the first check that reaches band = (lo, hi). A check above hi after one below lo took too many steps at
+    once: the steps between them run again, checked every 5 (weights, AdamW and data draws restored: the same bits)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=1.5e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
-    loss = torch.tensor(float("nan"))
-    for step in range(steps):
+    loss, step, every, why, back = torch.tensor(float("nan")), 0, 20, "", None
+    while step < steps and not why:
         pick = torch.randint(len(problems), (32,), generator=gen).tolist()
         pairs = [encode_problem(tok, problems[i]) for i in pick]
         seqs = [torch.tensor(p + c) for p, c in pairs]  # each ends in tok.eos_id, so it pads them too
@@ -1784,11 +1787,19 @@ def sft_warm_start(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        why = stop(model, tok, step + 1) if stop else ""
-        if (step + 1) % max(1, steps // 5) == 0 or step + 1 == steps or why:
-            log(f"warm start {step + 1}/{steps}: Ouro loss {loss.item():.3f}{why and '; stops: ' + why}")
-        if why:
-            break
+        step += 1
+        acc = dev(model, tok, step) if dev and (step % every == 0 or step == steps) else None
+        if acc is not None and acc > band[1] and every > 5 and back:  # overshot: again from the previous check
+            log(f"warm start {step}/{steps}: dev accuracy {acc:.3f} > {band[1]}; again from step {back[0]}")
+            step, weights, adamw, draws = back
+            model.load_state_dict(weights), opt.load_state_dict(adamw), gen.set_state(draws)
+            every = 5
+            continue
+        why = f"dev accuracy {acc:.3f} >= {band[0]}" if acc is not None and acc >= band[0] else ""
+        if acc is not None:  # what the steps to the next check change
+            back = step, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), gen.get_state()
+        if step % max(1, steps // 5) == 0 or step == steps or why:
+            log(f"warm start {step}/{steps}: Ouro loss {loss.item():.3f}{why and '; stops: ' + why}")
     return loss.item()
 
 
@@ -2250,7 +2261,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
     return {"rank": torch.distributed.get_rank(), "world": world, "local_rank": local_rank, "all_reduce": all_reduce}
 
 
-def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=None) -> tuple:
+def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict | None = None) -> tuple:
     """The model, tokenizer, problems, optimizer and KL reference, resumed (or warm-started), and the step to start."""
     if cfg.prompts_per_step % dist["world"]:
         raise ValueError(
@@ -2278,7 +2289,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=No
         torch.set_rng_state(state["torch_rng"])
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
-        sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, stop=sft_stop)
+        sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, **(sft or {}))
     model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
     adamw = {"lr": grpo.lr, "weight_decay": grpo.weight_decay, "eps": cfg.adam_eps}
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
@@ -2294,13 +2305,13 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft_stop=No
     return model, tok, problems, opt, ref, state["step"] if state else 0
 
 
-def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft_stop=None) -> dict:
-    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft_stop` is `sft_warm_start`'s `stop`.
+def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft: dict | None = None) -> dict:
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords.
     Returns {"model", "tokenizer", "history"}."""
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
-    model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say, sft_stop)
+    model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say, sft)
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
         say(slow)
@@ -3628,6 +3639,7 @@ DEMO_PRESET = {
     "eval_problems": _flag(400, "held-out problems", within=(1, MAX_COUNT)),  # the demo's own
     "dev_problems": _flag(200, "dev problems: the warm start's stopping rule reads them", within=(1, MAX_COUNT)),
     "sft_target": _flag(0.4, "the warm start ends at this greedy dev accuracy (checked every 20 steps)", within=(0, 1)),
+    "sft_ceiling": _flag(0.5, "a dev check above it: again from the previous check, checking every 5", within=(0, 1)),
     "seed": (0, "seed of everything", {"within": (0, MAX_SEED - 1)}),  # the held-out set draws from seed + 1
     "exit_rule": ("survival", "exit rule (hf: modeling_ouro's)"),
     "exit_policy": ("threshold", "threshold: the exit rule; sampled: exits drawn from the gates, learned by GRPO"),
@@ -3687,12 +3699,10 @@ def cmd_demo(flags) -> int:
         if len(chosen) < n:
             raise ValueError(f"--problems {flags.problems} leaves under {n} unseen problems (seed + {plus}): use fewer")
 
-    def sft_stop(model, tok, step: int) -> str:  # every 20 steps: the warm start ends where GRPO has room to learn
-        warm["warm_start_steps"] = step  # the steps run, also when --sft-steps stops it
-        if step % 20:
-            return ""
-        warm["dev_accuracy"] = acc = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
-        return f"dev accuracy {acc:.3f} >= {flags.sft_target}" if acc >= flags.sft_target else ""
+    def dev_accuracy(model, tok, step: int) -> float:  # the warm start ends where GRPO has room to learn
+        warm["warm_start_steps"] = step  # the last check's: the one that stopped it, or --sft-steps
+        warm["dev_accuracy"] = evaluate(model, tok, dev, policy, max_new_tokens=flags.max_new_tokens)["accuracy"]
+        return warm["dev_accuracy"]
 
     def report(when: str, r: dict, note: str) -> None:
         print(
@@ -3705,7 +3715,7 @@ def cmd_demo(flags) -> int:
         report("the warm start:", before, f"{len(held_out)} problems")
 
     try:
-        result = train(cfg, on_start=on_start, sft_stop=sft_stop)
+        result = train(cfg, on_start=on_start, sft={"dev": dev_accuracy, "band": (flags.sft_target, flags.sft_ceiling)})
     except (NonFiniteError, ReplayMismatchError):
         return 1  # train() has printed the diagnosis
     model, tok, history = result["model"], result["tokenizer"], result["history"]

@@ -2214,6 +2214,32 @@ def test_warm_start_optimizes_the_ouro_objective_at_its_entropy_bonus(monkeypatc
     assert losses[0] > losses[1], losses  # the bonus is subtracted: a larger beta, a lower loss at the same weights
 
 
+def test_warm_start_goes_back_when_a_check_overshoots_and_keeps_its_bits():
+    """The warm start's band (README, "The demo"): checks every 20 steps; a check above the band's top after one below
+    its bottom runs the steps between them again, checked every 5, and ends at the first check that reaches the band
+    (even above its top: it goes back once). Going back restores weights, AdamW and the data draws: the weights it ends
+    with are, bit for bit, those of as many steps run straight through without checks. With no check above the top
+    it ends where the target alone ends it. Dev accuracies are scripted; tiny.json keeps the steps cheap."""
+    tok, problems = S._tokenizer(None), S.arithmetic_problems(40, seed=0)
+    model_cfg = dataclasses.replace(S.load_config(TINY_JSON), num_hidden_layers=1, total_ut_steps=2)  # cheap steps
+    cases = [  # scripted accuracies -> the steps checked, in order; the first case's bits are checked too
+        ([0.1, 0.9, 0.2, 0.3, 0.45], [20, 40, 25, 30, 35]),  # 40 overshoots: again from 20, stops at 35
+        ([0.1, 0.9, 0.2, 0.8], [20, 40, 25, 30]),  # 30 is above the top too: it stops there (back once only)
+        ([0.1, 0.3, 0.45], [20, 40, 60]),  # no overshoot: the target alone, every 20
+        ([0.9], [20]),  # no check below the band yet: nothing to go back to
+    ]
+    for scripted, steps in cases:
+        model, seen, accs, lines = S.LoopedLM(model_cfg, seed=1), [], iter(scripted), []
+        dev = lambda m, t, step: seen.append(step) or next(accs)  # noqa: E731
+        S.sft_warm_start(model, tok, problems, 200, dev=dev, band=(0.4, 0.55), log=lines.append)
+        assert seen == steps, (scripted, seen, lines)
+        if scripted == cases[0][0]:
+            straight = S.LoopedLM(model_cfg, seed=1)
+            S.sft_warm_start(straight, tok, problems, steps[-1], log=lambda *_: None)
+            for (n, a), b in zip(model.state_dict().items(), straight.state_dict().values()):
+                assert torch.equal(a, b), f"{n} differs from {steps[-1]} steps straight by {maxdiff(a, b):.3e}"
+
+
 def test_warm_start_steps_at_its_rate():
     """The warm start's AdamW runs at 1.5e-3 (the demo's weak seeds gained more than at 3e-3: README, "The demo").
     Adam's first step moves a parameter by lr x g / (|g| + eps): by 1.5e-3 where the gradient is not tiny, never
@@ -2285,7 +2311,7 @@ def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, caps
     reaches --sft-target, and the dev problems are neither trained on nor held out: the held-out problems are
     first read after the warm start ("before"). Dev accuracies are scripted (0.1, 0.3, 0.4: the target itself
     stops it, at step 60 of 200); then never reaching it, --sft-steps 50 ends it, and the summary reports the 50 steps
-    run and the last check's 0.2. tiny.json keeps the steps cheap."""
+    run and the last check's 0.3 (at 20, 40 and the last step). tiny.json keeps the steps cheap."""
     real, calls, scripted = S.evaluate, [], iter([0.1, 0.3, 0.4])
 
     def evaluate(model, tok, problems, *a, **k):
@@ -2305,11 +2331,11 @@ def test_demo_warm_start_stops_at_its_target_on_dev_problems_only(tmp_path, caps
     dev, held_out = calls[0][0], calls[3][0]
     training = {p["question"] for p in S.arithmetic_problems(50, seed=3)}
     assert len(dev) == 7 and len(held_out) == 5 and not dev & (held_out | training), (dev, held_out)
-    scripted = iter([0.1, 0.2])  # never the target: --sft-steps 50 ends it, and the summary says 50 steps ran
+    scripted = iter([0.1, 0.2, 0.3])  # never the target: --sft-steps 50 ends it, checked there: 50 steps ran
     flags[1] = "50"
     assert S.main(["demo", *flags, "--config", TINY_JSON, "--seed", "3", "--out", str(tmp_path)]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert summary["warm_start_steps"] == 50 and summary["dev_accuracy"] == 0.2, summary
+    assert summary["warm_start_steps"] == 50 and summary["dev_accuracy"] == 0.3, summary
 
 
 def test_train_one_step_on_real_gsm8k(tmp_path):
