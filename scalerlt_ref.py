@@ -54,9 +54,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threads when cores are busy: other bits
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 # --- Config -----------------------------------------------------------------------------------------
 
