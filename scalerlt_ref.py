@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threads when cores are busy: other bits
+# NOTE: at 2+ threads MKL (torch's CPU matmuls) would split its work by load and by run: other bits each run
+os.environ.setdefault("MKL_DYNAMIC", "FALSE"), os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
