@@ -54,8 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-# NOTE: at 2+ threads MKL (torch's CPU matmuls) would split its work by load and by run: other bits each run
-os.environ.setdefault("MKL_DYNAMIC", "FALSE"), os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threads when cores are busy: other bits
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

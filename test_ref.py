@@ -129,7 +129,7 @@ def slow_jobs(request, tmp_path_factory):
 # its exit handlers: the fork ends with os._exit). torchrun starts fresh interpreters as usual.
 _FORK_SERVER = """
 import os; os.nice(10)  # like the job threads: the in-process tests go first
-os.environ.setdefault("MKL_DYNAMIC", "FALSE"), os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as scalerlt_ref
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # as scalerlt_ref sets it: the same bits on busy cores
 import json, runpy, signal, socket, sys, traceback, types
 import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot
 import numpy, torch, torch._dynamo
