@@ -3623,7 +3623,7 @@ DEMO_PRESET = {
     "config": (str(CONFIGS / "demo.json"), "model config"),
     "sft_steps": (500, "warm-start steps at most (see --sft-target)"),
     "sft_beta": (0.02, "the warm start's entropy bonus on the exit distribution (see the README's demo section)"),
-    "steps": (60, "GRPO steps"),
+    "steps": (100, "GRPO steps"),
     "prompts_per_step": (64, "prompts per GRPO step"),
     "group_size": (4, "completions per prompt"),
     "lr": (1e-3, "GRPO's peak learning rate"),
