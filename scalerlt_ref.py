@@ -42,6 +42,7 @@ import argparse
 import copy
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -110,12 +111,12 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid of every element computed on its own (one-element kernel call each).
-    NOTE: torch's CPU sigmoid uses a vector kernel for most of a tensor and a scalar one for the tail,
-    with different bits; computing each element alone makes the exit rule independent of how many
-    gates were evaluated together. Only R values per position, so the Python loop is cheap."""
+    """sigmoid of every element by the scalar kernel, in one call: its bits never depend on how many go together.
+    NOTE: torch's CPU sigmoid gives a contiguous tensor's body a vector kernel and its tail (under 32 floats) the
+    scalar one, with other bits. A strided view (every other element of a stacked copy) is not contiguous, so every
+    element takes the scalar path: the bits of a one-element call (tested). On a GPU: one kernel for all elements."""
     flat = x.reshape(-1)
-    return torch.stack([torch.sigmoid(v) for v in flat]).reshape(x.shape) if flat.numel() else x.clone()
+    return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
 
 def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,10 +131,9 @@ def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, 
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (n, heads, D), cos/sin (n, D): rotate pairs (i, i + D/2) by the position's angles."""
+    """x (n, heads, D), cos/sin (n, 1, D): rotate pairs (i, i + D/2) by the position's angles."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (n, heads, D)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin  # (n, heads, D)
 
 
 # --- Model (HF Ouro's module names, so state_dict keys are the checkpoint's tensor names) -----------
@@ -148,7 +148,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # x (n, C)
         xf = x.to(acc_dtype(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)  # NOTE: weight multiplies in the input dtype, as in Ouro
+        return self.weight * xf.type_as(x)  # NOTE: weight multiplies in the input dtype, as in Ouro
 
 
 class MLP(nn.Module):
@@ -162,46 +162,82 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class ScheduleError(RuntimeError):
+    """A call that breaks what deferral keeps (Contract §4): raised whatever Python's flags (not an `assert`)."""
+
+
+@dataclass
+class Rows:
+    """A call's rows (sequence, position) on the device, packed for attention as a (Bc, Tq) grid, one line a
+    sequence. For rows (0, 3), (0, 4), (2, 7): seqs [0, 2], slot [0, 0, 1], index [0, 1, 0], Tq 2, Tk 8:
+
+        slot 0 (sequence 0):  pos 3  pos 4       each sequence's rows side by side, padded to Tq;
+        slot 1 (sequence 2):  pos 7  (pad)       keys: positions 0 .. Tk-1 of each sequence's cache
+
+    Built on the host from the call's list, so attention reads nothing back from the device."""
+
+    pairs: list[tuple[int, int]]  # the call's rows: one sequence's contiguous, in position order
+    seq: torch.Tensor  # (n,) long
+    pos: torch.Tensor  # (n,) long
+    slot: torch.Tensor  # (n,) long: the row's line in the grid (its sequence's index in seqs)
+    index: torch.Tensor  # (n,) long: the row's place in its line
+    seqs: torch.Tensor  # (Bc,) long: the call's sequences
+    last: torch.Tensor  # (Bc,) long: each one's last position in the call
+    Bc: int  # the call's number of sequences
+    Tq: int  # the most rows of one sequence
+    Tk: int  # the call's last position + 1 (from the rows, not the cache: a replay's cache has another length)
+    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: the keys a row may not attend to (later positions)
+
+    @classmethod
+    def of(cls, pairs: list[tuple[int, int]], device) -> Rows:
+        if not pairs or any(a >= b for a, b in zip(pairs, pairs[1:])):
+            raise ScheduleError("a call's rows must be one or more (sequence, position) pairs, sorted and unique")
+        runs = [(b, [p for _, p in run]) for b, run in itertools.groupby(pairs, key=lambda row: row[0])]
+        Tq, Tk = max(len(ps) for _, ps in runs), max(ps[-1] for _, ps in runs) + 1
+        slot, index = [], []  # each row's line in the grid and its place in that line
+        for i, (_, ps) in enumerate(runs):
+            slot += [i] * len(ps)
+            index += range(len(ps))
+        seq, pos = (torch.tensor([row[i] for row in pairs], device=device) for i in (0, 1))  # (n,) each
+        slot, index = torch.tensor(slot, device=device), torch.tensor(index, device=device)  # (n,) each
+        seqs, last = torch.tensor([(b, ps[-1]) for b, ps in runs], device=device).T  # (Bc,) each
+        grid = torch.tensor([ps + [0] * (Tq - len(ps)) for _, ps in runs], device=device)  # (Bc, Tq); padding: 0
+        # The mask, for a sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
+        #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
+        #   row at pos 4:  x x x x x      this call (written before attending); later positions are masked
+        masked = torch.arange(Tk, device=device) > grid[:, None, :, None]  # (Bc, 1, Tq, Tk)
+        return cls(pairs, seq, pos, slot, index, seqs, last, len(runs), Tq, Tk, masked)
+
+    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`, invariant numerics)
+        return Rows.of(self.pairs[i], self.seq.device)
+
+
 class Attention(nn.Module):
     """Causal GQA attention over a call's rows, reading and writing one loop's K/V for one layer."""
 
     def __init__(self, cfg: Config):
         super().__init__()
         self.H, self.KVH, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.kv_head = [h // (self.H // self.KVH) for h in range(self.H)]  # query head h reads KV head h // G
         self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
-    def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):
-        """x (n, C); seq, pos (n,) long: the rows' sequence and position, rows of one sequence
-        contiguous and in position order; k_cache, v_cache (B, KVH, T, D) for this loop and layer."""
-        n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
-        q = apply_rope(self.q_proj(x).view(n, H, D), cos[pos], sin[pos])  # (n, H, D)
-        k = apply_rope(self.k_proj(x).view(n, KVH, D), cos[pos], sin[pos])  # (n, KVH, D), cached after RoPE
-        v = self.v_proj(x).view(n, KVH, D)  # (n, KVH, D)
-        k_cache[seq, :, pos] = k  # NOTE: written before attending: rows of one call see each other causally
-        v_cache[seq, :, pos] = v
-        # Pack the rows as (sequence slot, row within its sequence) so each sequence attends to its own cache.
-        seqs, slot, counts = torch.unique_consecutive(seq, return_inverse=True, return_counts=True)  # (Bc,) ...
-        row_in_seq = torch.arange(n, device=x.device) - (counts.cumsum(0) - counts)[slot]  # (n,)
-        # NOTE: Tk comes from the call's rows, not from the cache's allocated length, so a call's shapes
-        # (and so its bits) are the same in a rollout and in its replay, whose caches differ in length.
-        Bc, Tq, Tk = seqs.numel(), int(counts.max()), int(pos.max()) + 1
-        qp = q.new_zeros(Bc, Tq, H, D)
-        qp[slot, row_in_seq] = q  # (Bc, Tq, H, D)
-        qpos = pos.new_zeros(Bc, Tq)
-        qpos[slot, row_in_seq] = pos  # (Bc, Tq); padding rows sit at position 0 and are dropped below
-        K = k_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D)
-        V = v_cache[seqs, :, :Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D)
+    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache):
+        """x (n, C) the rows' input; cos, sin (n, 1, D) their rotations; k_cache, v_cache (B, KVH, T, D) for this
+        loop and layer."""
+        n, H, KVH, D, seq, pos, dtype = len(rows.pairs), self.H, self.KVH, self.D, rows.seq, rows.pos, x.dtype
+        qk = apply_rope(torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D), cos, sin)
+        q, k_cache[seq, :, pos] = qk.split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D): K is cached after RoPE
+        v_cache[seq, :, pos] = self.v_proj(x).view(n, KVH, D)  # written before attending: rows see each other
+        qp = q.new_zeros(rows.Bc, rows.Tq, H, D)
+        qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D); padding rows are dropped below
+        b, kv_head = rows.seqs[:, None], self.kv_head  # (Bc, 1), H
+        K, V = k_cache[b, kv_head, : rows.Tk], v_cache[b, kv_head, : rows.Tk]  # (Bc, H, Tk, D), one gather each
         att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
-        # The mask, for one sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
-        #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
-        #   row at pos 4:  x x x x x      this call (written above); later positions are masked
-        causal = torch.arange(Tk, device=x.device)[None, None, :] <= qpos[:, :, None]  # (Bc, Tq, Tk)
-        att = att.masked_fill(~causal[:, None], float("-inf"))
-        att = torch.softmax(att, dim=-1, dtype=acc_dtype(x.dtype)).to(x.dtype)  # softmax in float32
-        y = (att @ V).transpose(1, 2)[slot, row_in_seq]  # (n, H, D)
+        att = torch.softmax(att.masked_fill(rows.masked, float("-inf")), dim=-1, dtype=acc_dtype(dtype))
+        y = (att.to(dtype) @ V).transpose(1, 2)[rows.slot, rows.index]  # (n, H, D)
         return self.o_proj(y.reshape(n, H * D))
 
 
@@ -217,8 +253,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, seq, pos, k_cache, v_cache, cos, sin):  # x (n, C) -> (n, C)
-        attn = self.self_attn(self.input_layernorm(x), seq, pos, k_cache, v_cache, cos, sin)  # (n, C)
+    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache):  # x (n, C) -> (n, C)
+        attn = self.self_attn(self.input_layernorm(x), rows, cos, sin, k_cache, v_cache)  # (n, C)
         x = x + self.input_layernorm_2(attn)
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
@@ -279,16 +315,16 @@ class LoopedLM(nn.Module):
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
-    def loop(self, x, seq, pos, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
+    def loop(self, x, rows: Rows, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
         """One pass of some rows through all L layers of one loop, then the final norm.
 
-        x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); seq, pos (n,)
-        long; k, v: this loop's K/V per layer, each (B, KVH, T, D), where the rows' K/V are written.
+        x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); rows: which (`Rows`);
+        k, v: this loop's K/V per layer, each (B, KVH, T, D), where the rows' K/V are written.
         Returns h (n, C). Under "invariant" numerics each layer runs one row at a time (rows in
         position order, so a row's K/V is written before a later row of the call reads it)."""
-        cos, sin = self.rope()
+        cos, sin = (table[rows.pos, None] for table in self.rope())  # (n, 1, D) each: the rows' rotations
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
-            x = by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
+            x = by_rows(numerics, lambda xi, ri, ci, si: layer(xi, ri, ci, si, k_cache, v_cache), x, rows, cos, sin)
         return by_rows(numerics, self.model.norm, x)
 
     def gate_logits(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
@@ -312,14 +348,14 @@ EXIT_RULES = ("survival", "hf")
 def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """Contract §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
     CDF_j = 1 - prod_{i<=j}(1 - lam_i), lam in float32 (float64 for a float64 model); CDF_R = 1."""
-    acc = acc_dtype(gate_logits.dtype)
-    lam = sigmoid_elementwise(gate_logits.detach().to(acc).cpu())  # (..., j)
-    remaining = torch.ones(lam.shape[:-1], dtype=acc)  # (...,) prod (1 - lam): not exited yet
-    cdf = []
-    for j in range(1, lam.shape[-1] + 1):
-        remaining = remaining * (1 - lam[..., j - 1])
-        cdf.append(torch.ones_like(remaining, dtype=torch.float64) if j == R else (1 - remaining).double())
-    return torch.stack(cdf, dim=-1) if cdf else lam.double()
+    stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))  # (..., j) 1 - lam
+    remaining, cdf = torch.ones_like(stay[..., :1]), [stay[..., :0]]  # prod (1 - lam): not exited yet
+    for j in range(stay.shape[-1]):
+        remaining = remaining * stay[..., j : j + 1]
+        cdf.append(1 - remaining)
+    cdf = torch.cat(cdf, dim=-1).double()  # (..., j)
+    cdf[..., R - 1 :] = 1.0  # CDF_R = 1 exactly
+    return cdf
 
 
 def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
@@ -333,8 +369,8 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     bits when its call has under 32 gates, and independent of batching (bfloat16: no difference). (3) p_1..p_j
     do not depend on later loops and the cumsum runs in order: a prefix of gates gives a prefix of the CDF,
     so the rule can decide after every loop."""
-    lam = sigmoid_elementwise(gate_logits.detach().cpu())  # (..., j) in the model dtype: no widening
-    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype)  # (...,)
+    lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) in the model dtype: no widening
+    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)  # (...,)
     pdf = []
     for i in range(lam.shape[-1]):  # loop i + 1; the last loop takes what is left
         pdf.append(lam[..., i] * remaining if i < R - 1 else remaining)
@@ -344,9 +380,9 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
 def exit_loops(
     gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
-) -> list[int | None]:
+) -> torch.Tensor:
     """The exit rule (Contract §3) for n positions at once, given the gate logits of their first j <= R
-    loops: gate_logits (n, j) -> n exit loops, each None while loops 1..j do not decide.
+    loops: gate_logits (n, j) -> (n,) long, each position's exit loop, 0 while loops 1..j do not decide.
 
     The exit loop is the first r >= min_loops with CDF_r >= tau (R when none); tau None always exits at R.
     Every operation is elementwise across positions: a position's decision has the same bits alone (n = 1)
@@ -357,14 +393,14 @@ def exit_loops(
     bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0."""
     n, j = gate_logits.shape
     if tau is None or j == 0:
-        return [R if j >= R else None] * n
+        return torch.full((n,), R if j >= R else 0, dtype=torch.long, device=gate_logits.device)
     cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (n, j)
     hit = cdf >= tau  # (n, j) bool; for "hf" this is HF's own comparison
     hit[:, : min_loops - 1] = False  # no exit before min_loops
     if j == R:
         hit[:, R - 1] = True  # the last loop always exits
-    first = hit.to(torch.int64).argmax(dim=1)  # (n,) the first loop that exits, 0-based
-    return [int(loop) + 1 if bool(decided) else None for loop, decided in zip(first, hit.any(dim=1))]
+    first = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (n, 1) the first loop that exits, 0-based
+    return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0 where no loop exits
 
 
 # Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above,
@@ -374,29 +410,27 @@ def exit_loops(
 EXIT_POLICIES = ("threshold", "sampled")
 
 
-def sample_exit(g: torch.Tensor, r: int, R: int, min_loops: int, gen: torch.Generator) -> int | None:
-    """The sampled exit policy's decision after loop r of a deciding position: r (exit now) or None.
+def sample_exits(g: torch.Tensor, r: int, R: int, min_loops: int, gens: list[torch.Generator]) -> torch.Tensor:
+    """The sampled exit policy's decisions after loop r of n deciding positions: (n,) long, r (exit now) or 0.
 
-    g: the position's loop-r gate logit (a 0-dim tensor, model dtype). Before min_loops: no exit and no
-    draw. At R: exit, no draw. Else one uniform u from the sequence's generator `gen`, and exit iff
-    u < lam_r, lam_r = sigmoid(g) in float32 (float64 for a float64 model), computed one element at a time
-    as the exit rule computes it. So the exit loop is drawn from
+    g (n,): the positions' loop-r gate logits (model dtype); gens: each position's sequence generator. Before
+    min_loops: no exit and no draw. At R: exit, no draw. Else one uniform u from each generator, and exit iff
+    u < lam_r, lam_r = sigmoid(g) in float32 (float64 for a float64 model), each element by the same kernel
+    (`sigmoid_elementwise`). So the exit loop is drawn from
         p(r) = lam_r prod_{min_loops <= j < r} (1 - lam_j)   (min_loops <= r < R),
         p(R) = prod_{min_loops <= j < R} (1 - lam_j),         p(r) = 0 for r < min_loops:
     Ouro's exit distribution (its training objective weights loop r's loss by p(r)) conditioned on exiting
     at min_loops or later (the gates of loops before min_loops do not matter); with min_loops = 1, p(r) itself.
     """
-    if r < min_loops:
-        return None
-    if r == R:
-        return R
-    lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)).cpu().reshape(1))[0]
-    u = torch.rand((), generator=gen, dtype=torch.float64)
-    return r if bool(u < lam.double()) else None
+    if r < min_loops or r == R:
+        return torch.full(g.shape, 0 if r < min_loops else R, dtype=torch.long, device=g.device)
+    lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
+    u = torch.stack([uniform(gen) for gen in gens]).to(g.device)  # (n,)
+    return torch.where(u < lam.double(), r, 0)
 
 
 def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int = 1) -> torch.Tensor:
-    """log p(exit = e) under the sampled exit policy (`sample_exit`), differentiable in the gates.
+    """log p(exit = e) under the sampled exit policy (`sample_exits`), differentiable in the gates.
 
     gate_logits (..., R) in the model dtype (the gates of loops after e are never read); exits (...) long,
     1..R, 0 where there is no token -> (...) float32 (float64 for a float64 model):
@@ -445,6 +479,12 @@ class LoopCache:
             depth=torch.zeros(B, T, dtype=torch.long, device=dev),
         )
 
+    def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (dst, src): sequence dst's cache becomes sequence src's, all of it (`shared_prefix`)."""
+        dst, src = torch.tensor(pairs, dtype=torch.long, device=self.h.device).T  # (n,) each
+        for t in itertools.chain(*self.k, *self.v, (self.h, self.depth)):
+            t[dst] = t[src]
+
 
 @dataclass
 class Call:
@@ -457,30 +497,30 @@ class Call:
     share: list[tuple[int, int]] = field(default_factory=list)  # after the rows: (dst, src) cache copies
 
 
-def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str) -> torch.Tensor:
+def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str):
     """Execute one call; the ONE function through which rollouts, replays and teacher forcing compute.
 
     tokens (B, T) long; the rows' input is their embedding at loop 1, else their loop r-1 output from
-    `cache.h`. Updates the cache (K/V, h, depth; then the `share` copies); returns the rows' output h_r (n, C).
-    NOTE: same call + same cache contents + same numerics => same bits. Replay exactness rests on this."""
-    r, dev = call.loop, tokens.device
-    seq = torch.tensor([b for b, _ in call.rows], dtype=torch.long, device=dev)  # (n,)
-    pos = torch.tensor([p for _, p in call.rows], dtype=torch.long, device=dev)  # (n,)
-    # NOTE: the invariants deferral keeps (asserted, so a broken schedule stops here): every row arrives done
-    # with exactly loop r-1, and every K/V it attends to (its own sequence, positions <= its own, loop r) is
-    # computed, either earlier or by a row of this call that comes before it.
-    assert bool((cache.depth[seq, pos] == r - 1).all()), f"call at loop {r}: a row is not done with loop {r - 1}"
+    `cache.h`. Updates the cache (K/V, h, depth; then the `share` copies); returns the rows' output h_r (n, C)
+    and the rows on the device (`Rows`). NOTE: same call + same cache + same numerics => same bits: replay
+    exactness rests on this."""
+    r, rows = call.loop, Rows.of(call.rows, tokens.device)
+    seq, pos = rows.seq, rows.pos
+    # The invariants deferral keeps: every row arrives done with exactly loop r-1, and every K/V it attends to
+    # (its sequence, positions <= its own, loop r) is computed, earlier or by a row of this call before it.
+    late = (cache.depth[seq, pos] != r - 1).sum()  # rows not done with exactly loop r-1
     x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
     cache.depth[seq, pos] = r
-    needed = torch.arange(cache.depth.shape[1], device=dev)[None, :] <= pos[:, None]  # (n, T)
-    assert bool((cache.depth[seq] >= r)[needed].all()), f"call at loop {r} would attend to a K/V never computed"
-    h = model.loop(x, seq, pos, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
+    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.last[:, None]  # (Bc, T)
+    if late + (needed & (cache.depth[rows.seqs] < r)).sum():  # one read back per call
+        raise ScheduleError(
+            f"call at loop {r}: a row is not done with loop {r - 1}, or attends to a K/V never computed"
+        )
+    h = model.loop(x, rows, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
     cache.h[seq, pos] = h
-    if call.share:  # (`shared_prefix`) each (dst, src): sequence dst's cache becomes sequence src's, all of it
-        dst, src = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*call.share))  # (n_share,) each
-        for t in [*(t for kv in (cache.k, cache.v) for layer in kv for t in layer), cache.h, cache.depth]:
-            t[dst] = t[src]
-    return h
+    if call.share:
+        cache.copy_sequences(call.share)
+    return h, rows
 
 
 class ExactKV:
@@ -491,8 +531,8 @@ class ExactKV:
 
     prefill_all_loops = False  # does the prefill run every loop of the prompt, even in deferred mode?
 
-    def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
-        """After a call's readout rows have sampled (first[b]: sequence b's last prompt position)."""
+    def after_readout(self, cache: LoopCache, call: Call, first: torch.Tensor) -> None:
+        """After a call's readout rows have sampled (first (B,): each prompt's last position)."""
 
     def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
         """Does a teacher-forced pass compute loop r of position p (exit loop e when p > first)? Always."""
@@ -530,8 +570,12 @@ class Policy:
         for name, allowed in choices.items():
             if (v := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {v!r}")
-        if not (0 <= self.temperature < math.inf and self.min_loops >= 1 and math.isfinite(self.exit_threshold or 0)):
-            raise ValueError(f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold or None: {self}")
+        if not (
+            0 <= self.temperature < math.inf and self.min_loops >= 1 and 0 <= (self.exit_threshold or 0) < math.inf
+        ):
+            raise ValueError(
+                f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold >= 0 or None: {self}"
+            )
         if not (self.top_k >= 0 and 0 < self.top_p <= 1 and isinstance(self.stop_ids, tuple)):
             raise ValueError(f"need top_k >= 0, top_p in (0, 1] and stop_ids a tuple: {self}")
         if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):  # NOTE: hf is a threshold rule's arithmetic
@@ -570,21 +614,17 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numer
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
-def deciding_rows(call: Call, first: list[int], exits: list[list[int | None]]) -> list[int]:
-    """The rows of `call` that decide an exit, as indices into call.rows: the ONE statement of that rule,
-    used by the rollout (which decides), the replay and the teacher-forced pass (which recompute the
-    deciding gates: sampled exits' log-probs need them) and the oracle (which checks an engine's decisions).
+def deciding(loop: int, seq: torch.Tensor, pos: torch.Tensor, first: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
+    """Which rows (seq, pos) of a call at `loop` decide an exit: (n,) bool. The ONE statement of that rule, used by
+    the rollout (which decides), the replay and the teacher-forced pass (which recompute the deciding gates:
+    sampled exits' log-probs need them) and the oracle (which checks an engine's decisions).
 
-    Row (b, p) produces completion token tok_index = p - first[b] (first[b]: the prompt's last position). It
-    decides while that token's exit loop exits[b][tok_index] is undecided (None) or not passed
-    (call.loop <= exit loop). So a prompt position, a position riding along past its exit, and a dense row
-    computing loops after its exit decide nothing."""
-    out = []
-    for i, (b, p) in enumerate(call.rows):
-        tok_index = p - first[b]
-        if 0 <= tok_index < len(exits[b]) and (exits[b][tok_index] is None or call.loop <= exits[b][tok_index]):
-            out.append(i)
-    return out
+    Row (b, p) produces completion token tok_index = p - first[b] (first: each prompt's last position), whose exit
+    loop is exits[b, tok_index] ((B, N) long; 0: no such token, R + 1: undecided, as the rollout keeps it). The row
+    decides while loop <= that exit loop. So a prompt position, a position riding along past its exit, and a dense
+    row computing loops after its exit decide nothing."""
+    tok_index = pos - first[seq]  # (n,)
+    return (tok_index >= 0) & (loop <= exits[seq, tok_index.clamp(min=0)])
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -592,13 +632,20 @@ def sequence_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
-def sample_token(logp: torch.Tensor, gen: torch.Generator, temperature: float) -> int:
-    """One draw from a (V,) log-prob row (inverse CDF with one uniform from `gen`); argmax when greedy."""
+def uniform(gen: torch.Generator) -> torch.Tensor:
+    """The next draw of a sequence's generator: a float64 uniform in [0, 1), on the host."""
+    return torch.rand((), generator=gen, dtype=torch.float64)
+
+
+def sample_tokens(logp: torch.Tensor, u: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """One draw from each (V,) log-prob row of logp (n, V): inverse CDF with the row's uniform u (n,) float64;
+    argmax when greedy (u None). Returns (n,) long, always a kept token."""
     if temperature == 0:
-        return int(logp.argmax())
-    cdf = torch.cumsum(logp.detach().double().cpu().exp(), dim=0)  # (V,)
-    u = torch.rand((), generator=gen, dtype=torch.float64) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), int(torch.searchsorted(cdf, cdf[-1])))  # a kept token
+        return logp.argmax(dim=1)
+    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V), row by row in order
+    total = cdf[:, -1:].contiguous()  # (n, 1)
+    drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
+    return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]  # never past the last kept token
 
 
 # --- Rollouts ---------------------------------------------------------------------------------------
@@ -700,88 +747,86 @@ def rollout(
 
     Returns a Rollout (logprobs (B, N) float32, float64 for a float64 model). Sequence b draws from its own
     generator seeded by (seed, sequence_ids[b]) (default: b). The threshold is the policy's, else the config's
-    (None there: every position exits at R); sampled exits are drawn instead (`sample_exit`), and their
+    (None there: every position exits at R); sampled exits are drawn instead (`sample_exits`), and their
     log-probs recorded (`exit_logprob`).
     NOTE: a sequence's generator serves its exit draws and its token draws in one fixed order: each step,
     one uniform per loop that decides (loop order, newest position), then its token's. Dense and deferred
     decide the newest position's loops in the same order, so they draw the same numbers.
     """
-    R, B, N, numerics = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics
+    R, B, N, numerics, dev = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics, model.device
     tau = model.config.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
-    sampled, kv, rule = policy.exit_policy == "sampled", KV_POLICIES[policy.kv], (policy.min_loops, policy.exit_rule)
+    kv, T = KV_POLICIES[policy.kv], max(len(prompt) for prompt in prompts) + N
+    if not all(prompts) or T > model.config.max_position_embeddings or policy.min_loops > R:
+        raise ValueError(f"need non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R")
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
-    T = max(len(prompt) for prompt in prompts) + N
-    assert all(prompts) and T <= model.config.max_position_embeddings and policy.min_loops <= R, "see `read_prompts`"
-    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=model.device)  # (B, T)
-    cache = LoopCache.empty(model, B, T)
-    logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype))  # (B, N)
-    # the gate logits of loops 1..e of each token's position (sampled exits: its exit log-prob's input)
-    token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
-    first = [len(prompt) - 1 for prompt in prompts]  # the position that produces each sequence's token 0
-    completions, exits, calls = [[] for _ in range(B)], [[] for _ in range(B)], shared_prefix(prompts, R)
+    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
+    cache, calls = LoopCache.empty(model, B, T), shared_prefix(prompts, R)
     for call in calls:  # a group's prompt, once: its positions before the last are done with every loop
         execute_call(model, call, tokens, cache, numerics)
-    active = list(range(B))
-    # Each pass of this loop is one step: every active sequence samples one token from its newest position
-    # (the first pass is the prefill: the newest position is the prompt's last one).
-    while active:
-        runs_all = policy.mode == "dense" or (not completions[active[0]] and kv.prefill_all_loops)  # prefill
-        newest = {b: first[b] + len(completions[b]) for b in active}
-        gates: dict[int, list[torch.Tensor]] = {b: [] for b in active}  # the newest position's gate logits
-        for b in active:
-            exits[b].append(None)  # the newest position's exit: undecided
+    # The rollout's state, on the model's device: per sequence, per completion token (k), per loop.
+    first = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,) the position producing token 0
+    done = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled so far
+    active = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) still sampling
+    completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) the sampled ids
+    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) exit loops; 0: no token, R + 1: undecided
+    logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
+    gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R) the gate logits that decided
+    stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)  # (n_stop,)
+    seqs, positions = torch.arange(B, device=dev), torch.arange(T, device=dev)
+    for step in range(N):  # every active sequence samples one token from its newest position (step 0: prefill)
+        newest, k = first + done, done.clamp(max=N - 1)  # (B,) the newest position and its token's index
+        exits[seqs, k] = torch.where(active, R + 1, exits[seqs, k])  # the active sequences' new token: undecided
+        runs_all = policy.mode == "dense" or (step == 0 and kv.prefill_all_loops)
         for r in range(1, R + 1):
-            # 1) Who takes part in loop r: dense, everyone; deferred, the sequences still undecided.
-            taking_part = [b for b in active if runs_all or exits[b][-1] is None]
-            if not taking_part:
-                break  # deferred: every newest position has exited; deeper loops wait until needed
+            # 1) Who takes part in loop r: dense, every active sequence; deferred, the ones still undecided.
+            part = active & (runs_all | (exits[seqs, k] > R))  # (B,)
             # 2) The deferral rule (Contract §4): a sequence that takes part brings every position up to its
             #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
             #    positions that exited before loop r, riding along, in position order.
-            rows = [
-                (b, p) for b in taking_part for p in (cache.depth[b, : newest[b] + 1] == r - 1).nonzero()[:, 0].tolist()
-            ]
-            call = Call(r, rows)
-            h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-            # 3) The exit decision of each deciding row (a newest position still undecided): its own gates,
-            #    its own rule (threshold) or a draw from its own generator (sampled).
-            #    The rule runs once for all deciding rows (each has r gates): elementwise, so the same bits.
-            deciding = deciding_rows(call, first, exits)
-            g = model.gate_logits(h[deciding], numerics) if deciding else None  # (len(deciding),)
-            for gi, i in enumerate(deciding):
-                gates[rows[i][0]].append(g[gi])
-            if deciding and not sampled:
-                ruled = exit_loops(torch.stack([torch.stack(gates[rows[i][0]]) for i in deciding]), R, tau, *rule)
-            for gi, i in enumerate(deciding):
-                b = rows[i][0]
-                e = sample_exit(g[gi], r, R, policy.min_loops, gens[b]) if sampled else ruled[gi]
-                if e is not None:
-                    exits[b][-1] = e
-                    call.readout.append(rows[i])
-                    if sampled:
-                        token_gates[b, len(completions[b]), :e] = torch.stack(gates[b])
-            # 4) Read out the rows that exit at this loop and sample each one's next token.
-            if call.readout:
-                logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-                for (b, _), lp in zip(call.readout, logp):
-                    tok = sample_token(lp, gens[b], policy.temperature)
-                    logprobs[b, len(completions[b])] = lp[tok].cpu()
-                    completions[b].append(tok)
-                kv.after_readout(cache, call, first)
+            todo = (cache.depth == r - 1) & (positions <= newest[:, None]) & part[:, None]  # (B, T)
+            call = Call(r, [tuple(row) for row in todo.nonzero().tolist()])
+            if not call.rows:
+                break  # deferred: every newest position has exited; deeper loops wait until needed
+            h, at = execute_call(model, call, tokens, cache, numerics)  # (n, C)
             calls.append(call)
-        # 5) Sequences that sampled EOS or reached N stop (their last token never enters the model); the
-        #    others append their token, which becomes the newest position of the next step.
-        for b in list(active):
-            if len(completions[b]) == N or completions[b][-1] in policy.stop_ids:
-                active.remove(b)
+            # 3) The exit decisions of the deciding rows (newest positions still undecided), all at once: each
+            #    by its own gates and the rule (threshold), or a draw from its own generator (sampled).
+            dec = [i for i, d in enumerate(deciding(r, at.seq, at.pos, first, exits).tolist()) if d]
+            if not dec:
+                continue  # dense: every newest position has exited; it computes loop r for the K/V
+            i_dec = torch.tensor(dec, device=dev)
+            b, t = at.seq[i_dec], at.pos[i_dec] - first[at.seq[i_dec]]  # (n_dec,) sequence, token index
+            gates[b, t, r - 1] = g = model.gate_logits(h[i_dec], numerics)  # (n_dec,)
+            if policy.exit_policy == "sampled":
+                e = sample_exits(g, r, R, policy.min_loops, [gens[call.rows[i][0]] for i in dec])  # (n_dec,)
             else:
-                tokens[b, newest[b] + 1] = completions[b][-1]
-    mask = torch.tensor([[i < len(c) for i in range(N)] for c in completions], dtype=torch.bool)  # (B, N)
+                e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)  # (n_dec,)
+            exits[b, t] = torch.where(e > 0, e, R + 1)
+            call.readout = [call.rows[i] for i, exited in zip(dec, (e > 0).tolist()) if exited]
+            if not call.readout:
+                continue
+            # 4) Read out the rows that exit at this loop and sample each one's next token.
+            logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
+            out = [b for b, _ in call.readout]
+            u = None if policy.temperature == 0 else torch.stack([uniform(gens[b]) for b in out]).to(dev)  # (n_out,)
+            tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
+            b = torch.tensor(out, device=dev)
+            completions[b, done[b]], logprobs[b, done[b]] = tok, logp.gather(1, tok[:, None])[:, 0]
+            tokens[b, newest[b] + 1] = tok  # the next step's newest position, unless the sequence stops
+            done[b] += 1
+            kv.after_readout(cache, call, first)
+        # 5) Sequences that sampled a stop id or reached N stop (their last token never enters the model).
+        active &= (done < N) & ~torch.isin(completions[seqs, (done - 1).clamp(min=0)], stop_ids)
+        if not bool(active.any()):
+            break
+    lengths, mask = done.tolist(), (positions[:N] < done[:, None]).cpu()  # (B, N)
     exit_lp = torch.zeros_like(logprobs)  # (B, N) the threshold policy's exits are not drawn: log p = 0
-    if sampled:  # 6) the exits' log-probs, from the gates that decided them, as the replay computes them
-        exit_lp = exit_logprob(token_gates, _exit_tensor(exits, N, model.device), policy.min_loops).cpu()
-    schedule = Schedule(calls, policy, str(model.dtype), R)
-    return Rollout([list(prompt) for prompt in prompts], completions, exits, logprobs, mask, schedule, policy, exit_lp)
+    if policy.exit_policy == "sampled":  # 6) the exits' log-probs, from the gates that decided them, as the replay
+        exit_lp = exit_logprob(gates, exits, policy.min_loops)
+    completions = [c[:n] for c, n in zip(completions.tolist(), lengths)]
+    exit_list = [e[:n] for e, n in zip(exits.tolist(), lengths)]
+    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), [list(prompt) for prompt in prompts]
+    return Rollout(prompts, completions, exit_list, logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
 # --- Learner log-probabilities ----------------------------------------------------------------------
@@ -802,38 +847,33 @@ def execute_schedule(
     read out where the calls say, and (sampled exits) `exit_logprob` of each recorded exit loop from the gates
     of its deciding rows (zeros for the threshold policy). `on_call(call, h)` sees every call's output and
     `on_readout(call, logp)` the (n_out, V) policy of its readout rows (the oracle reads both)."""
-    tokens = ro.tokens(model.device)  # (B, T)
+    tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
-    policy, kv = ro.policy, KV_POLICIES[ro.policy.kv]
+    policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
     cache = LoopCache.empty(model, B, tokens.shape[1])
-    out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=model.device)  # (B, N)
-    first = [len(prompt) - 1 for prompt in ro.prompts]
-    first_t = torch.tensor(first, device=model.device)  # (B,)
-    sampled = policy.exit_policy == "sampled"
-    token_gates = torch.zeros(B, N, R, dtype=model.dtype, device=model.device) if sampled else None  # (B, N, R)
+    out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
+    first = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
+    exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
+    gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
-        h = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+        h, at = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        deciding = deciding_rows(call, first, ro.exit_loops) if sampled else []
-        if deciding:  # NOTE: the rows the rollout asked for a decision, in its order: its gates' very bits
-            b = torch.tensor([call.rows[i][0] for i in deciding], device=model.device)  # (n_dec,)
-            tok_index = torch.tensor([call.rows[i][1] for i in deciding], device=model.device) - first_t[b]
-            loop = torch.full_like(b, call.loop - 1)
-            token_gates = token_gates.index_put((b, tok_index, loop), model.gate_logits(h[deciding], numerics))
+        if sampled:  # NOTE: the rows the rollout asked for a decision, in its order: its gates' very bits
+            i_dec = deciding(call.loop, at.seq, at.pos, first, exits).nonzero()[:, 0]  # (n_dec,)
+            b, t = at.seq[i_dec], at.pos[i_dec] - first[at.seq[i_dec]]  # (n_dec,) sequence, token index
+            gates[b, t, call.loop - 1] = model.gate_logits(h[i_dec], numerics) if i_dec.numel() else 0
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
         if on_readout is not None:
             on_readout(call, logp)
-        b = torch.tensor([b for b, _ in call.readout], device=model.device)  # (n_out,)
-        p = torch.tensor([p for _, p in call.readout], device=model.device)  # (n_out,)
-        tok_index = p - first_t[b]  # in 0..N-1
-        out = out.index_put((b, tok_index), logp.gather(1, tokens[b, p + 1][:, None])[:, 0])  # the recorded token's
+        b, p = torch.tensor(call.readout, device=dev).T  # (n_out,) each
+        out[b, p - first[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]  # the recorded token's
         kv.after_readout(cache, call, first)
     if not sampled:
         return out, torch.zeros_like(out)
-    return out, exit_logprob(token_gates, _exit_tensor(ro.exit_loops, N, model.device), policy.min_loops)
+    return out, exit_logprob(gates, exits, policy.min_loops)
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
@@ -1741,15 +1781,14 @@ class LoopOutputs:
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
     """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
-    seq = torch.arange(B, device=idx.device).repeat_interleave(T)  # (B*T,) rows in (seq, pos) order
-    pos = torch.arange(T, device=idx.device).repeat(B)  # (B*T,)
-    h = model.model.embed_tokens(idx[seq, pos])  # (B*T, C), the input of loop 1
+    rows = Rows.of(list(itertools.product(range(B), range(T))), idx.device)  # every (seq, pos), in order
+    h = model.model.embed_tokens(idx.reshape(-1))  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
         shape = (B, cfg.num_key_value_heads, T, cfg.head_dim)
         k = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
         v = [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in model.model.layers]
-        h = model.loop(h, seq, pos, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
+        h = model.loop(h, rows, k, v, numerics)  # (B*T, C): loop r's output, loop r+1's input
         logits.append(model.readout(h, numerics).view(B, T, -1))
         gates.append(model.gate_logits(h, numerics).view(B, T))
     return LoopOutputs(torch.stack(logits), torch.stack(gates))
@@ -2401,7 +2440,7 @@ def exit_loop(
     gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> int | None:
     """`exit_loops` for one position: its first j <= R loops' gate logits (j,) -> its exit loop (None: undecided)."""
-    return exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]
+    return int(exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]) or None
 
 
 def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
@@ -2423,10 +2462,11 @@ class LastExitedKV(ExactKV):
 
     prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
 
-    def after_readout(self, cache: LoopCache, call: Call, first: list[int]) -> None:
+    def after_readout(self, cache: LoopCache, call: Call, first: torch.Tensor) -> None:
         """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
-        if rows := [(b, p) for b, p in call.readout if p > first[b]]:
-            seq, pos = torch.tensor(rows, device=cache.h.device).T  # (n,) each
+        seq, pos = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
+        seq, pos = seq[pos > first[seq]], pos[pos > first[seq]]  # the generated positions (not a prompt's last)
+        if seq.numel():
             for kv in (cache.k, cache.v):
                 for r in range(call.loop, len(kv)):  # 0-based index r is loop r + 1
                     for layer in range(len(kv[r])):
@@ -2715,12 +2755,13 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
         b, p = torch.tensor(rows, dtype=torch.long).reshape(-1, 2).T  # (n,) each: rows' sequences and positions
         return b, p - first[b]  # and the completion token each position produces
 
-    undecided = [[None] * len(c) for c in ro.completions]  # every producing row decides: the rule runs at every loop
+    undecided = torch.where(ro.mask, R + 1, 0)  # (B, N) every producing row decides: the rule runs at every loop
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        if deciding := deciding_rows(call, first.tolist(), undecided):
-            b, k = token_index([call.rows[i] for i in deciding])
-            gates[b, k, call.loop - 1] = model.gate_logits(h[deciding]).cpu()
+        b, p = torch.tensor(call.rows, dtype=torch.long).T  # (n,) each
+        if (i := deciding(call.loop, b, p, first, undecided).nonzero()[:, 0]).numel():
+            b, k = token_index([call.rows[j] for j in i.tolist()])
+            gates[b, k, call.loop - 1] = model.gate_logits(h[i.to(h.device)]).cpu()
             ran[b, k] = call.loop
 
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
@@ -2771,7 +2812,7 @@ def _rule_exits(gates: torch.Tensor, ran: torch.Tensor, opts: VerifyOptions) -> 
     out = torch.full(ran.shape, -1, dtype=torch.long)
     for j in sorted(set(ran.tolist())):
         decided = exit_loops(gates[ran == j][:, :j], gates.shape[1], opts.threshold, opts.min_loops, opts.exit_rule)
-        out[ran == j] = torch.tensor([-1 if e is None else e for e in decided], dtype=torch.long)
+        out[ran == j] = torch.where(decided > 0, decided, -1)
     return out
 
 
@@ -3491,7 +3532,7 @@ class ModelFlags:
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     kv: str = _flag("exact", "KV semantics (last_exited: KV-copy engines)", choices=tuple(KV_POLICIES))
-    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(-math.inf, math.inf))
+    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
     exit_rule: str = _flag(
         "survival",
@@ -3596,7 +3637,7 @@ class BenchFlags:
         "set the exit gate's bias (default: 1.0 on the random model, the checkpoint's own with --model)",
         within=(-math.inf, math.inf),
     )
-    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(-math.inf, math.inf))
+    exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     memory_gb: float | None = _flag(
         None,
         "memory for the KV-cache fit (default: the GPU's, or this machine's physical memory)",

@@ -969,7 +969,7 @@ def test_hf_rule_is_hf_arithmetic_bitwise(grid):
     R, B, T = g.shape
     expect_exit, expect_cdf = hf_exit_transcription([x[..., None] for x in g], threshold)
     per_position = g.permute(1, 2, 0).reshape(B * T, R)  # (B*T, R)
-    assert S.exit_loops(per_position, R, threshold, rule="hf") == expect_exit.flatten().tolist()
+    assert S.exit_loops(per_position, R, threshold, rule="hf").tolist() == expect_exit.flatten().tolist()
     for i, (b, t) in enumerate((b, t) for b in range(B) for t in range(T)):
         assert S.exit_cdf(per_position[i], R, "hf") == expect_cdf[b, t].tolist(), (b, t)
         assert S.exit_loop(per_position[i], R, threshold, rule="hf") == int(expect_exit[b, t]), (b, t, threshold)
@@ -1207,6 +1207,39 @@ def test_schedule_json_refuses_a_bad_share_pair():
             S.schedule_from_json(json.dumps(d | {"calls": [call | {"share": share}]}))
 
 
+@examples(15)
+@given(case=cases(new_tokens=(2, 6)), mode=modes, data=st.data())
+def test_a_broken_schedule_stops_with_a_named_error(case, mode, data):
+    """`execute_call` checks what deferral keeps, for every call: a schedule with a call repeated (its rows arrive
+    done with loop r, not r-1) or without its first call (later rows attend to K/V never computed) raises
+    ScheduleError instead of computing garbage; so do rows out of order."""
+    model = case.model()
+    ro = case.rollout(model, mode=mode)
+    calls = ro.schedule.calls
+    i = data.draw(st.integers(0, len(calls) - 1))
+    for broken in (calls[: i + 1] + calls[i:], calls[1:]):
+        with pytest.raises(S.ScheduleError):
+            S.replay_logprobs(model, dataclasses.replace(ro, schedule=dataclasses.replace(ro.schedule, calls=broken)))
+    with pytest.raises(S.ScheduleError, match="sorted"):
+        S.Rows.of([(0, 1), (0, 0)], "cpu")
+
+
+def test_the_schedule_guard_holds_under_python_O():
+    """The guard is an error, not an `assert`: `python -O` (which strips asserts) still stops a broken schedule."""
+    code = (
+        "import dataclasses, scalerlt_ref as S\n"
+        "m = S.LoopedLM(S.Config())\n"
+        "ro = S.rollout(m, [[1, 2, 3]], max_new_tokens=3)\n"
+        "calls = ro.schedule.calls[:1] + ro.schedule.calls\n"
+        "try:\n"
+        "    S.replay_logprobs(m, dataclasses.replace(ro, schedule=dataclasses.replace(ro.schedule, calls=calls)))\n"
+        "except S.ScheduleError as e:\n"
+        "    print('ScheduleError:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ScheduleError: call at loop 1" in out.stdout, out.stdout + out.stderr
+
+
 def test_old_schedule_json_reads_as_survival():
     """Schedules written before exit rules were data were all decided by survival."""
     d = {"mode": "dense", "numerics": "fast", "dtype": "torch.float32", "loops": 2, "calls": []}
@@ -1330,10 +1363,12 @@ def test_sampling_follows_the_policy(logits, temperature, seed, top_k, top_p):
     assert bool((x[0][~kept] < low).all()), "the kept set is the most likely tokens"
     assert top_k == 0 or int((x[0] > low).sum()) < top_k, "more than k tokens above the k-th"
     assert top_k == 0 or top_p < 1 or int(kept.sum()) >= min(top_k, len(logits)), "fewer than k kept"
-    full = torch.softmax(x.double().masked_fill(x < x[0].topk(top_k or len(logits)).values[-1], -math.inf), -1)[0]
+    kth = x[0].topk(min(top_k or len(logits), len(logits))).values[-1]  # the k-th largest (k may exceed V)
+    full = torch.softmax(x.double().masked_fill(x < kth, -math.inf), -1)[0]
     assert float(full[kept].sum()) >= top_p - 1e-6 and float(full[x[0] > low].sum()) < top_p + 1e-6
     gen, n = torch.Generator().manual_seed(seed), 3000
-    counts = Counter(S.sample_token(logp, gen, temperature) for _ in range(n))
+    u = torch.rand(n, generator=gen, dtype=torch.float64)  # (n,) one uniform a draw
+    counts = Counter(S.sample_tokens(logp.expand(n, -1), u, temperature).tolist())
     assert all(kept[v] for v in counts), f"a dropped token was drawn: {counts}"
     for v, p in enumerate(logp.double().exp().tolist()):
         # Tolerance: 5 binomial standard deviations (the draws are seeded, so this is deterministic).
@@ -1374,6 +1409,128 @@ def test_eos_ends_sequence_and_masks_the_rest(case, mode):
         assert ro.mask[b].tolist() == [k < n for k in range(N)], b
         assert torch.equal(ro.logprobs[b, :n], full.logprobs[b, :n]) and not bool(ro.logprobs[b, n:].any()), b
     assert ro.completions[0][-1] == eos and len(ro.completions[0]) <= 2
+
+
+class _FixedReadout(S.LoopedLM):
+    """A model whose every readout is the same logits (`fixed`, (V,)): a sampler's distribution known exactly."""
+
+    def readout(self, h, numerics="fast"):
+        return self.fixed.to(h.dtype).expand(h.shape[0], -1)
+
+
+def _fixed_readout_model(logits: dict[int, float], init_seed: int = 0) -> S.LoopedLM:
+    """TINY with readout logits `logits` at their ids and -1e4 elsewhere (whose probability is exactly 0)."""
+    model = S.LoopedLM(S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=init_seed)
+    model.__class__ = _FixedReadout
+    model.fixed = torch.full((model.config.vocab_size,), -1e4)
+    model.fixed[list(logits)] = torch.tensor(list(logits.values()))
+    return model
+
+
+# Four tokens whose logits differ (so top-p has an order to cut in) but whose probabilities are exactly 1/4 each: exp
+# of -2**-38 is 1.0 in float32. Their ascending cumulative sums are 1/4, 1/2, 3/4, 1; at top_p 0.75 the boundary
+# 1 - top_p is 1/4 exactly, so vLLM's `<=` drops the least likely token (id 13) and `<` would keep it.
+QUARTERS = {10: 0.0, 11: -(2.0**-40), 12: -(2.0**-39), 13: -(2.0**-38)}
+
+
+def test_top_p_drops_the_token_at_its_boundary_in_the_rollout():
+    """A token whose ascending cumulative probability equals 1 - top_p exactly is dropped, as vLLM drops it: the
+    rollout never samples it and records the three kept tokens' renormalized log-prob, log(1/3)."""
+    model = _fixed_readout_model(QUARTERS)
+    probs = torch.softmax(model.fixed, dim=-1)[list(QUARTERS)]
+    assert probs.tolist() == [0.25] * 4, probs  # the premise: exact quarters
+    ro = S.rollout(model, [[1, 2]] * 8, S.Policy(top_p=0.75), max_new_tokens=8, seed=3)
+    drawn = Counter(t for c in ro.completions for t in c)
+    assert set(drawn) == {10, 11, 12}, f"the boundary token 13 is dropped, the other three are drawn: {drawn}"
+    d = (ro.logprobs[ro.mask].double() - math.log(1 / 3)).abs().max().item()
+    assert d < 1e-6, f"the kept three renormalize to 1/3 each: max |logprob - log(1/3)| = {d:.3e}"
+
+
+def test_top_p_boundary_in_verify(tmp_path):
+    """`verify` applies the same boundary: records of the kept three at log(1/3) pass; a record that drew the
+    boundary token fails on that token (the reference gives it probability 0)."""
+    model = _fixed_readout_model(QUARTERS)
+    ro = S.rollout(model, [[1, 2]] * 8, S.Policy(top_p=0.75), max_new_tokens=8, seed=3)
+    recs = [r | {"logprobs": [math.log(1 / 3)] * len(r["completion_ids"])} for r in S.rollout_records(ro)]
+    opts = S.VerifyOptions(atol=1e-5)
+    assert not any(r.failures(opts.atol, opts.flip_margin) for r in S.verify_records(model, recs, opts))
+    drew_13 = recs[0] | {"completion_ids": recs[0]["completion_ids"][:-1] + [13]}  # the last token: no input
+    failed = S.verify_records(model, [drew_13], opts)[0].failures(opts.atol, opts.flip_margin)
+    assert failed.logprobs == [len(drew_13["completion_ids"]) - 1], failed
+
+
+def test_every_stop_id_stops_the_rollout():
+    """A sequence stops on any of its stop ids, not only the first: here the second of three is the only token
+    the policy can draw, so every completion is that one token."""
+    model = _fixed_readout_model({40: 0.0})
+    for mode in S.MODES:
+        ro = S.rollout(model, [[1, 2], [3]], S.Policy(mode, stop_ids=(39, 40, 41)), max_new_tokens=5)
+        assert ro.completions == [[40], [40]] and ro.mask.sum(1).tolist() == [1, 1], (mode, ro.completions)
+
+
+def test_verify_flags_tokens_after_any_stop_id(tmp_path):
+    """`verify` honours every stop id of a record: a completion that goes on after the second of its stop ids fails
+    on the token after it; the same completion cut there passes."""
+    model = _fixed_readout_model({40: 0.0})
+    recs = S.rollout_records(S.rollout(model, [[1, 2]], S.Policy(), max_new_tokens=4))  # 40, 40, 40, 40
+    went_on = recs[0] | {"stop_ids": [39, 40, 41]}
+    assert S.verify_records(model, [went_on])[0].after_stop == [1, 2, 3]
+    cut = {k: v[:1] if k in ("completion_ids", "exit_loops", "logprobs") else v for k, v in went_on.items()}
+    assert not S.verify_records(model, [cut])[0].failures(1e-3, 1e-3)
+
+
+@examples(25)
+@given(
+    n=st.integers(1, 300),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    scale=st.sampled_from([0.1, 4.0, 40.0]),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_batched_sigmoid_is_the_one_element_sigmoid_bitwise(n, dtype, scale, seed, threads):
+    """The rollout decides all of a call's exits in one sigmoid call: each gate must get the bits it gets alone
+    (torch's scalar kernel), whatever the count, so that a decision never depends on its batch. Plain torch.sigmoid
+    gives most elements of a long tensor its vector kernel's, other bits."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched, alone = S.sigmoid_elementwise(x), torch.stack([torch.sigmoid(v) for v in x])  # one call an element
+        prefix = S.sigmoid_elementwise(x[: n // 2 + 1])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batched, alone), f"max |batched - alone| = {maxdiff(batched, alone):.3e}"
+    assert torch.equal(prefix, batched[: n // 2 + 1]), "fewer gates together, other bits"
+
+
+class _CountReads(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls that read the device back to the host (a GPU waits at each)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy", "__len__"}
+    READS |= {"unique", "unique_consecutive", "any", "all"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (name := getattr(func, "__name__", "")) in self.READS:
+            self.reads[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+@pytest.mark.parametrize("mode", S.MODES)
+def test_a_rollout_reads_back_a_few_times_a_call_not_a_row(mode, exit_policy):
+    """Which rows take part, ride along and decide, the exit rule, sampling and the stop check are batched tensor
+    work: a rollout reads the device back at most 8 times a call, at 2 sequences as at 24 (not once a row)."""
+    model = S.LoopedLM(S.Config(**(TINY | dict(early_exit_threshold=0.6))), seed=1)
+    for B in (2, 24):
+        prompts = [[1 + b % 7, 2, 3 + b % 5][: 1 + b % 3] for b in range(B)]
+        with _CountReads() as counter:
+            ro = S.rollout(model, prompts, S.Policy(mode, exit_policy=exit_policy), max_new_tokens=6, seed=B)
+        per_call = sum(counter.reads.values()) / len(ro.schedule.calls)
+        assert per_call <= 8, f"{B} sequences: {per_call:.1f} reads a call ({dict(counter.reads)})"
 
 
 def test_last_exited_is_a_different_policy():
@@ -3061,10 +3218,10 @@ CAUGHT_BY |= {"exits_one_loop_late": "flip_test", "kv_of_the_previous_loop": "lo
 class _NoNormBetweenLoops(S.LoopedLM):
     """Planted bug: the final norm feeds the readout and the gate but not the next loop."""
 
-    def loop(self, x, seq, pos, k, v, numerics="fast"):  # `LoopedLM.loop` without its last line
-        cos, sin = self.rope()
+    def loop(self, x, rows, k, v, numerics="fast"):  # `LoopedLM.loop` without its last line
+        cos, sin = (table[rows.pos, None] for table in self.rope())
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
-            x = S.by_rows(numerics, lambda xi, si, pi: layer(xi, si, pi, k_cache, v_cache, cos, sin), x, seq, pos)
+            x = S.by_rows(numerics, lambda xi, ri, ci, si: layer(xi, ri, ci, si, k_cache, v_cache), x, rows, cos, sin)
         return x  # BUG: the next loop starts from the un-normed state
 
     def gate_logits(self, h, numerics="fast"):
@@ -3087,8 +3244,9 @@ def _kv_of_the_previous_loop(model, call, tokens, cache, numerics):
 
 def _one_loop_late(gate_logits, R, tau, min_loops=1, rule="survival"):
     """Planted bug: `exit_loops` deciding one loop after the rule (R stays R); the token is read out there."""
-    late = [None if e is None else min(e + 1, R) for e in _EXIT_LOOPS(gate_logits, R, tau, min_loops, rule)]
-    return [e if e is not None and gate_logits.shape[1] >= e else None for e in late]
+    e = _EXIT_LOOPS(gate_logits, R, tau, min_loops, rule)  # (n,) 0: undecided
+    late = torch.where(e > 0, (e + 1).clamp(max=R), 0)
+    return torch.where(late <= gate_logits.shape[1], late, 0)
 
 
 def _rope_in_float32(x, cos, sin):
@@ -3559,6 +3717,8 @@ BAD_FLAGS = [
     ("train", "--max-new-tokens", "0"),
     ("train", "--device", "tpu"),
     ("rollout", "--exit-threshold", "nan"),
+    ("rollout", "--exit-threshold", "-1"),  # as a config's early_exit_threshold: every position would exit at loop 1
+    ("verify", "--exit-threshold", "-0.5"),
     ("rollout", "--eos-id", "-1"),
     ("rollout", "--eos-id", str(10**30)),
     ("rollout", "--temperature", "inf"),
@@ -3612,7 +3772,7 @@ def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, args):
 @pytest.mark.parametrize(
     "flag,value",
     [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
-     ("--exit-threshold", "nan"), ("--new-tokens", "0"), ("--model", "/no/such/folder")],
+     ("--exit-threshold", "nan"), ("--exit-threshold", "-1"), ("--new-tokens", "0"), ("--model", "/no/such/folder")],
 )  # fmt: skip
 def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
     """Every bench flag is checked before any loading or measuring: exit 2, one line naming the flag."""
