@@ -21,9 +21,9 @@ fixes, both here: `numerics="invariant"` computes every row alone (slow; how the
 replay, which re-executes the *same* calls and so gets the *same* bits.
 
 Reading order: config, numerics, model, exit rule, KV cache and calls, the policy, rollouts, learner log-probs,
-GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose: one process, one
-model; a dense KV cache; sampling on the CPU; no sliding window, RoPE scaling or attention bias (Ouro-1.4B uses none
-of them).
+GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose: one model per
+process (under torchrun each process holds a copy and gradients are all-reduced); a dense KV cache, allocated for the
+whole rollout; no sliding window, RoPE scaling or attention bias (Ouro-1.4B uses none of them).
 
 Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L layers, C
 width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a call, n_out rows read
@@ -176,7 +176,7 @@ class Rows:
 
     Built on the host from the call's list, so attention reads nothing back from the device."""
 
-    pairs: list[tuple[int, int]]  # the call's rows: one sequence's contiguous, in position order
+    pairs: list[tuple[int, int]]  # the call's rows, sorted and unique
     seq: torch.Tensor  # (n,) long
     pos: torch.Tensor  # (n,) long
     slot: torch.Tensor  # (n,) long: the row's line in the grid (its sequence's index in seqs)
@@ -187,6 +187,7 @@ class Rows:
     Tq: int  # the most rows of one sequence
     Tk: int  # the call's last position + 1 (from the rows, not the cache: a replay's cache has another length)
     masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: the keys a row may not attend to (later positions)
+    alone: dict = field(default_factory=dict, repr=False)  # `__getitem__`'s
 
     @classmethod
     def of(cls, pairs: list[tuple[int, int]], device) -> Rows:
@@ -198,18 +199,19 @@ class Rows:
         for i, (_, ps) in enumerate(runs):
             slot += [i] * len(ps)
             index += range(len(ps))
-        seq, pos = (torch.tensor([row[i] for row in pairs], device=device) for i in (0, 1))  # (n,) each
-        slot, index = torch.tensor(slot, device=device), torch.tensor(index, device=device)  # (n,) each
-        seqs, last = torch.tensor([(b, ps[-1]) for b, ps in runs], device=device).T  # (Bc,) each
-        grid = torch.tensor([ps + [0] * (Tq - len(ps)) for _, ps in runs], device=device)  # (Bc, Tq); padding: 0
+        seq, pos, slot, index = torch.tensor([*zip(*pairs), slot, index], device=device)  # (n,) each
+        lines = torch.tensor([[b, ps[-1], *ps] + [0] * (Tq - len(ps)) for b, ps in runs], device=device)
+        seqs, last, grid = lines[:, 0], lines[:, 1], lines[:, 2:]  # (Bc,), (Bc,), (Bc, Tq) positions (padding: 0)
         # The mask, for a sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
         #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
         #   row at pos 4:  x x x x x      this call (written before attending); later positions are masked
         masked = torch.arange(Tk, device=device) > grid[:, None, :, None]  # (Bc, 1, Tq, Tk)
         return cls(pairs, seq, pos, slot, index, seqs, last, len(runs), Tq, Tk, masked)
 
-    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`, invariant numerics)
-        return Rows.of(self.pairs[i], self.seq.device)
+    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`, invariant numerics), packed once
+        if (i.start, i.stop) not in self.alone:
+            self.alone[i.start, i.stop] = Rows.of(self.pairs[i], self.seq.device)
+        return self.alone[i.start, i.stop]
 
 
 class Attention(nn.Module):
@@ -218,7 +220,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.H, self.KVH, self.D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.kv_head = [h // (self.H // self.KVH) for h in range(self.H)]  # query head h reads KV head h // G
         self.q_proj = nn.Linear(cfg.hidden_size, self.H * self.D, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
@@ -233,8 +234,8 @@ class Attention(nn.Module):
         v_cache[seq, :, pos] = self.v_proj(x).view(n, KVH, D)  # written before attending: rows see each other
         qp = q.new_zeros(rows.Bc, rows.Tq, H, D)
         qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D); padding rows are dropped below
-        b, kv_head = rows.seqs[:, None], self.kv_head  # (Bc, 1), H
-        K, V = k_cache[b, kv_head, : rows.Tk], v_cache[b, kv_head, : rows.Tk]  # (Bc, H, Tk, D), one gather each
+        K = k_cache[rows.seqs, :, : rows.Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D): head h reads
+        V = v_cache[rows.seqs, :, : rows.Tk].repeat_interleave(H // KVH, dim=1)  # KV head h // (H // KVH)
         att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
         att = torch.softmax(att.masked_fill(rows.masked, float("-inf")), dim=-1, dtype=acc_dtype(dtype))
         y = (att.to(dtype) @ V).transpose(1, 2)[rows.slot, rows.index]  # (n, H, D)
@@ -362,20 +363,23 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
     lam_i = sigmoid(g_i); p_i = lam_i * remaining and remaining *= 1 - lam_i for i < R, p_R = remaining;
     CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
-    NOTE: three traps, measured on this CPU build. (1) bfloat16 cumsum accumulates in float32 and rounds only
-    its outputs (rounding each partial sum changed 33% of random 4-loop CDFs): so torch.cumsum, not a loop.
+    NOTE: three traps, measured on this CPU build. (1) torch's CPU cumsum adds in a wider dtype (float32 for
+    bfloat16, float64 for float32) and rounds only its outputs (rounding each partial sum changed 33% of random
+    bfloat16 4-loop CDFs): written out here as that loop, so the bits are the same on any device and batch.
     (2) In float32/float64 torch's vector sigmoid gives some elements other bits than its scalar path (a
     call's tail under 32 floats, a lone element); `sigmoid_elementwise` takes the scalar path always: HF's
     bits when its call has under 32 gates, and independent of batching (bfloat16: no difference). (3) p_1..p_j
-    do not depend on later loops and the cumsum runs in order: a prefix of gates gives a prefix of the CDF,
+    do not depend on later loops and the sum runs in order: a prefix of gates gives a prefix of the CDF,
     so the rule can decide after every loop."""
     lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) in the model dtype: no widening
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)  # (...,)
-    pdf = []
+    total = torch.zeros_like(remaining, dtype=torch.float64 if lam.dtype.itemsize >= 4 else torch.float32)
+    cdf = [lam[..., :0]]
     for i in range(lam.shape[-1]):  # loop i + 1; the last loop takes what is left
-        pdf.append(lam[..., i] * remaining if i < R - 1 else remaining)
+        total = total + (lam[..., i] * remaining if i < R - 1 else remaining)  # cumsum's sum, in its wider dtype
         remaining = remaining * (1.0 - lam[..., i])
-    return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1) if pdf else lam.clone()
+        cdf.append(total.to(lam.dtype)[..., None])
+    return torch.cat(cdf, dim=-1)
 
 
 def exit_loops(
@@ -642,7 +646,7 @@ def sample_tokens(logp: torch.Tensor, u: torch.Tensor | None, temperature: float
     argmax when greedy (u None). Returns (n,) long, always a kept token."""
     if temperature == 0:
         return logp.argmax(dim=1)
-    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V), row by row in order
+    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on this CPU each row alone, in order
     total = cdf[:, -1:].contiguous()  # (n, 1)
     drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
     return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]  # never past the last kept token
@@ -763,39 +767,40 @@ def rollout(
     cache, calls = LoopCache.empty(model, B, T), shared_prefix(prompts, R)
     for call in calls:  # a group's prompt, once: its positions before the last are done with every loop
         execute_call(model, call, tokens, cache, numerics)
-    # The rollout's state, on the model's device: per sequence, per completion token (k), per loop.
+    # The rollout's state, on the model's device: per sequence, per completion token, per loop.
     first = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,) the position producing token 0
-    done = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled so far
+    length = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled so far
     active = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) still sampling
     completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) the sampled ids
     exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) exit loops; 0: no token, R + 1: undecided
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R) the gate logits that decided
     stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)  # (n_stop,)
-    seqs, positions = torch.arange(B, device=dev), torch.arange(T, device=dev)
+    batch, positions = torch.arange(B, device=dev), torch.arange(T, device=dev)
     for step in range(N):  # every active sequence samples one token from its newest position (step 0: prefill)
-        newest, k = first + done, done.clamp(max=N - 1)  # (B,) the newest position and its token's index
-        exits[seqs, k] = torch.where(active, R + 1, exits[seqs, k])  # the active sequences' new token: undecided
+        newest, tok_index = first + length, length.clamp(max=N - 1)  # (B,) the newest position, its token
+        exits[batch, tok_index] = torch.where(active, R + 1, exits[batch, tok_index])  # active: undecided
         runs_all = policy.mode == "dense" or (step == 0 and kv.prefill_all_loops)
         for r in range(1, R + 1):
             # 1) Who takes part in loop r: dense, every active sequence; deferred, the ones still undecided.
-            part = active & (runs_all | (exits[seqs, k] > R))  # (B,)
+            part = active & (runs_all | (exits[batch, tok_index] > R))  # (B,)
             # 2) The deferral rule (Contract §4): a sequence that takes part brings every position up to its
             #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
             #    positions that exited before loop r, riding along, in position order.
             todo = (cache.depth == r - 1) & (positions <= newest[:, None]) & part[:, None]  # (B, T)
             call = Call(r, [tuple(row) for row in todo.nonzero().tolist()])
             if not call.rows:
-                break  # deferred: every newest position has exited; deeper loops wait until needed
-            h, at = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+                break  # (only at loop 1) every sequence has stopped
+            h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
             calls.append(call)
             # 3) The exit decisions of the deciding rows (newest positions still undecided), all at once: each
             #    by its own gates and the rule (threshold), or a draw from its own generator (sampled).
-            dec = [i for i, d in enumerate(deciding(r, at.seq, at.pos, first, exits).tolist()) if d]
+            dec = [i for i, d in enumerate(deciding(r, rows.seq, rows.pos, first, exits).tolist()) if d]
             if not dec:
                 continue  # dense: every newest position has exited; it computes loop r for the K/V
             i_dec = torch.tensor(dec, device=dev)
-            b, t = at.seq[i_dec], at.pos[i_dec] - first[at.seq[i_dec]]  # (n_dec,) sequence, token index
+            b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
+            t = tok_index[b]  # (n_dec,) and the completion tokens they produce
             gates[b, t, r - 1] = g = model.gate_logits(h[i_dec], numerics)  # (n_dec,)
             if policy.exit_policy == "sampled":
                 e = sample_exits(g, r, R, policy.min_loops, [gens[call.rows[i][0]] for i in dec])  # (n_dec,)
@@ -803,23 +808,23 @@ def rollout(
                 e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)  # (n_dec,)
             exits[b, t] = torch.where(e > 0, e, R + 1)
             call.readout = [call.rows[i] for i, exited in zip(dec, (e > 0).tolist()) if exited]
-            if not call.readout:
-                continue
-            # 4) Read out the rows that exit at this loop and sample each one's next token.
-            logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-            out = [b for b, _ in call.readout]
-            u = None if policy.temperature == 0 else torch.stack([uniform(gens[b]) for b in out]).to(dev)  # (n_out,)
-            tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
-            b = torch.tensor(out, device=dev)
-            completions[b, done[b]], logprobs[b, done[b]] = tok, logp.gather(1, tok[:, None])[:, 0]
-            tokens[b, newest[b] + 1] = tok  # the next step's newest position, unless the sequence stops
-            done[b] += 1
-            kv.after_readout(cache, call, first)
-        # 5) Sequences that sampled a stop id or reached N stop (their last token never enters the model).
-        active &= (done < N) & ~torch.isin(completions[seqs, (done - 1).clamp(min=0)], stop_ids)
-        if not bool(active.any()):
+            if call.readout:  # 4) Read out the rows that exit at this loop and sample each one's next token.
+                logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
+                readers = [b for b, _ in call.readout]
+                u = None if policy.temperature == 0 else torch.stack([uniform(gens[b]) for b in readers])
+                tok = sample_tokens(logp, None if u is None else u.to(dev), policy.temperature)  # (n_out,)
+                b = torch.tensor(readers, device=dev)
+                completions[b, length[b]], logprobs[b, length[b]] = tok, logp.gather(1, tok[:, None])[:, 0]
+                tokens[b, newest[b] + 1] = tok  # the next step's newest position, unless the sequence stops
+                length[b] += 1
+                kv.after_readout(cache, call, first)
+            if not runs_all and len(call.readout) == len(dec):
+                break  # deferred: every newest position has exited; deeper loops wait until needed
+        if not call.rows:
             break
-    lengths, mask = done.tolist(), (positions[:N] < done[:, None]).cpu()  # (B, N)
+        # 5) Sequences that sampled a stop id or reached N stop (their last token never enters the model).
+        active &= (length < N) & ~torch.isin(completions[batch, (length - 1).clamp(min=0)], stop_ids)
+    lengths, mask = length.tolist(), (positions[:N] < length[:, None]).cpu()  # (B, N)
     exit_lp = torch.zeros_like(logprobs)  # (B, N) the threshold policy's exits are not drawn: log p = 0
     if policy.exit_policy == "sampled":  # 6) the exits' log-probs, from the gates that decided them, as the replay
         exit_lp = exit_logprob(gates, exits, policy.min_loops)
@@ -856,13 +861,13 @@ def execute_schedule(
     exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
-        h, at = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+        h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
         if sampled:  # NOTE: the rows the rollout asked for a decision, in its order: its gates' very bits
-            i_dec = deciding(call.loop, at.seq, at.pos, first, exits).nonzero()[:, 0]  # (n_dec,)
-            b, t = at.seq[i_dec], at.pos[i_dec] - first[at.seq[i_dec]]  # (n_dec,) sequence, token index
-            gates[b, t, call.loop - 1] = model.gate_logits(h[i_dec], numerics) if i_dec.numel() else 0
+            i_dec = deciding(call.loop, rows.seq, rows.pos, first, exits).nonzero()[:, 0]  # (n_dec,)
+            b, tok_index = rows.seq[i_dec], rows.pos[i_dec] - first[rows.seq[i_dec]]  # (n_dec,) each
+            gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics) if i_dec.numel() else 0
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
@@ -2412,7 +2417,7 @@ def schedule_to_json(schedule: Schedule) -> str:
 
 
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls checked (`execute_call` trusts)."""
+    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls' pairs checked on reading."""
     d = json.loads(text)
     calls = [Call(c["loop"], *([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share"))) for c in d["calls"]]
     for c in calls:
