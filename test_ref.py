@@ -29,6 +29,7 @@ Run: `python -m pytest -q test_ref.py` (CI profile: derandomized, no example dat
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
@@ -2062,6 +2063,65 @@ def test_drop_tied_leaves_tied_groups_out_of_the_loss(gc, mode, agg, beta, tie_f
             d = maxdiff(grad, auto[n])
             assert d <= 1e-12 + 1e-9 * auto[n].abs().max().item(), f"iteration {it}, {n}: max |applied - alone| {d:.3e}"
     assert ties["loss"] == 0.0 and ties["grad_norm"] == 0.0, ties
+
+
+@examples(20)
+@given(
+    shape=st.tuples(between(1, 4), between(1, 5)),
+    seed=st.integers(0, 2**16),
+    beta=st.sampled_from([0.01, 0.1, 1.0]),
+    agg=st.sampled_from(S.LOSS_AGGREGATIONS),
+)
+def test_kl_term_is_k3_in_value_and_gradient(shape, seed, beta, agg):
+    """The KL penalty is k3 = exp(x) - x - 1, x = log pi_ref - log pi, per token, beta times, aggregated as the
+    loss is: the loss with it minus the loss without it, in value and in gradient, against the formula written
+    out here (float64; d k3 / d log pi = 1 - exp(x))."""
+    g = torch.Generator().manual_seed(seed)
+    logp = (-3 * torch.rand(shape, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = logp.detach() + 0.5 * torch.randn(shape, generator=g, dtype=torch.float64)
+    old = logp.detach() + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+    adv = torch.randn(shape[0], generator=g, dtype=torch.float64)
+    mask = torch.rand(shape, generator=g) < 0.7
+    mask[:, 0] = True
+    cfg = S.GRPOConfig(loss_agg=agg, beta=beta)
+    with_kl = S.grpo_loss(logp, old, adv, mask, cfg, ref_logp=ref)[0]
+    without = S.grpo_loss(logp, old, adv, mask, dataclasses.replace(cfg, beta=0.0))[0]
+    (grad,) = torch.autograd.grad(with_kl - without, logp)
+    x, w = ref - logp.detach(), _sequence_weights(agg, mask)[:, None] * mask  # (B, N) each
+    expect, expect_grad = beta * (w * (torch.exp(x) - x - 1)).sum(), beta * w * (1 - torch.exp(x))
+    d = abs(float((with_kl - without).detach()) - float(expect))
+    assert d <= 1e-12 * max(1.0, float(expect)), f"KL value: |diff| = {d:.3e} (expected {float(expect):.6g})"
+    assert torch.allclose(grad, expect_grad, rtol=1e-10, atol=1e-14), f"KL gradient: {maxdiff(grad, expect_grad):.3e}"
+
+
+def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
+    """At iteration 1 against a reference equal to the current weights (invariant numerics: the replay and the
+    reference's teacher-forced log-probs have the same bits) the KL is 0 in value and in gradient: the update is
+    the update without it, bit for bit. After a step, `grpo_update` reports the k3 mean of the reference's
+    teacher-forced log-probs against the rollout's."""
+    cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
+    model = S.LoopedLM(cfg, seed=2)
+    prompts, rewards = [[5, 6], [5, 6], [7], [7]], torch.tensor([1.0, 0.0, 0.0, 1.0])
+    ro = S.rollout(model, prompts, S.Policy(numerics="invariant"), max_new_tokens=4, seed=1)
+    updated = {}
+    for beta in (0.0, 0.5):
+        m = copy.deepcopy(model)
+        grpo = S.GRPOConfig(group_size=2, beta=beta, lr=1e-2)
+        stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=1e-2), ro, rewards, grpo, "invariant", model)
+        updated[beta] = m
+    assert stats["kl"] == 0.0, stats
+    for (name, a), b in zip(updated[0.0].named_parameters(), updated[0.5].parameters()):
+        assert torch.equal(a, b), f"{name}: the KL to the current weights moved it by {maxdiff(a, b):.3e}"
+    ro2 = S.rollout(updated[0.0], prompts, S.Policy(numerics="invariant"), max_new_tokens=4, seed=2)
+    grpo = S.GRPOConfig(group_size=2, beta=0.5)
+    m = updated[0.0]
+    stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), ro2, rewards, grpo, "invariant", model)
+    with torch.no_grad():
+        x = (S.teacher_forced_logprobs(model, ro2, "invariant") - ro2.logprobs).double()[ro2.mask]
+    expect = float((torch.exp(x) - x - 1).mean())
+    # 1e-4 relative: the code computes k3 in float32, where exp(x) - x - 1 cancels (x ~ 1e-2 here); a sign error
+    # (exp(x) + x - 1) would be off by 2x, ~100 times k3
+    assert expect > 1e-8 and abs(stats["kl"] - expect) <= 1e-4 * expect, (stats["kl"], expect)
 
 
 @examples(10)
