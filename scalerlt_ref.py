@@ -814,16 +814,17 @@ def rollout(
                 u = None if policy.temperature == 0 else torch.stack([uniform(gens[b]) for b in readers])
                 tok = sample_tokens(logp, None if u is None else u.to(dev), policy.temperature)  # (n_out,)
                 b = torch.tensor(readers, device=dev)
-                completions[b, length[b]], logprobs[b, length[b]] = tok, logp.gather(1, tok[:, None])[:, 0]
+                t = tok_index[b]  # (n_out,) the tokens they sample
+                completions[b, t], logprobs[b, t] = tok, logp.gather(1, tok[:, None])[:, 0]
                 tokens[b, newest[b] + 1] = tok  # the next step's newest position, unless the sequence stops
-                length[b] += 1
+                length[b] = t + 1
                 kv.after_readout(cache, call, first)
             if not runs_all and len(call.readout) == len(dec):
                 break  # deferred: every newest position has exited; deeper loops wait until needed
         if not call.rows:
             break
         # 5) Sequences that sampled a stop id or reached N stop (their last token never enters the model).
-        active &= (length < N) & ~torch.isin(completions[batch, (length - 1).clamp(min=0)], stop_ids)
+        active &= (length < N) & ~torch.isin(completions[batch, tok_index], stop_ids)  # (the stopped: no matter)
     lengths, mask = length.tolist(), (positions[:N] < length[:, None]).cpu()  # (B, N)
     exit_lp = torch.zeros_like(logprobs)  # (B, N) the threshold policy's exits are not drawn: log p = 0
     if policy.exit_policy == "sampled":  # 6) the exits' log-probs, from the gates that decided them, as the replay
