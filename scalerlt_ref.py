@@ -53,7 +53,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threads when cores are busy: other bits
 import torch  # noqa: E402
@@ -3462,8 +3462,8 @@ def _memory(s: _BenchSetup, dtype: torch.dtype, load: dict) -> Measured:
     return [("KV cache memory", cache), ("memory", peaks)], figures
 
 
-def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
-    """Every measurement in one dtype, in the table's order, the load's first (the model is freed on return)."""
+def _bench_dtype(s: _BenchSetup, dtype_name: str) -> Iterator[Measured]:
+    """Every measurement in one dtype, in the table's order, each as it is made (the model is freed at the end)."""
     dtype = DTYPES[dtype_name]
     _reset_peak_memory(s.device)
     if s.real:
@@ -3476,13 +3476,15 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> list[Measured]:
     peak_device = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None
     load = {"seconds": t_load, "peak": peak, "peak_device": peak_device, "weights": weights}
     _reset_peak_memory(s.device)
-    measured = []
     for B in s.batches:
         runs, speed = _rollout_speed(s, model, B)
-        measured.append(speed)
+        yield speed
     ro, rollout_times, replay = _replay_vs_rollout(s, model, runs)
-    measured += [replay, _learner(s, model, ro, rollout_times), _naive_vs_hybrid(model, ro)]
-    return measured + [_cache_vs_recompute(s, model), _memory(s, dtype, load)]
+    yield replay
+    yield _learner(s, model, ro, rollout_times)
+    yield _naive_vs_hybrid(model, ro)
+    yield _cache_vs_recompute(s, model)
+    yield _memory(s, dtype, load)
 
 
 def cmd_bench(args) -> int:
@@ -3490,34 +3492,40 @@ def cmd_bench(args) -> int:
     deferred rollout tokens/s at batch 1 and 8 (with the ideal speedup), replay / rollout, the learner, the KV cache,
     memory, and the log-prob mismatch a naive learner would have: a table, then JSON."""
     s, measured = _BenchSetup(args), []
-    if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
-        text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
-        rows = [("bf16 / fp32 matmul", text)]
-        if warning := bf16_warning(sd):
-            rows.append(("", warning))
-        measured.append(("bfloat16", (rows, {"bf16_over_fp32_matmul": sd["worst"]})))
-    for dtype_name in s.dtypes:
-        measured += [(dtype_name, part) for part in _bench_dtype(s, dtype_name)]
-    peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
-    summary = {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
-    for dtype_name, (_, figures) in measured:
-        summary |= {key + ("" if dtype_name == "bfloat16" else "_fp32"): value for key, value in figures.items()}
-    summary["peak_memory_mb"] = round(peak / 2**20, 1)
     print(
         f"bench: {args.model if s.real else os.path.relpath(args.config)} (R={s.cfg.total_ut_steps}, "
         f"L={s.cfg.num_hidden_layers}, C={s.cfg.hidden_size}), {s.device}, {torch.get_num_threads()} threads, "
         f"{args.new_tokens} new tokens, median of {args.repeats}, gate bias "
-        f"{'unchanged' if s.gate_bias is None else s.gate_bias}, exit threshold {s.threshold}"
+        f"{'unchanged' if s.gate_bias is None else s.gate_bias}, exit threshold {s.threshold}",
+        flush=True,
     )
     if s.real:
         print(
             "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
-            "--new-tokens, not --cache-prompt + --cache-tokens)"
+            "--new-tokens, not --cache-prompt + --cache-tokens)",
+            flush=True,
         )
-    for dtype_name, (rows, _) in measured:
-        for what, text in rows:
-            print(f"  {dtype_name:<9} {what:<26} {text}")
+
+    def report(dtype_name: str, part: Measured) -> None:  # each measurement's rows as soon as it is made
+        measured.append((dtype_name, part))
+        for what, text in part[0]:
+            print(f"  {dtype_name:<9} {what:<26} {text}", flush=True)
+
+    if sd := s.slowdown:  # first: bfloat16 against float32 matmul speed (and a warning when it is slow)
+        text = f"x{sd['rows_1']:.2f} at 1 row, x{sd['rows_32']:.2f} at 32 rows (this model's MLP shape)"
+        rows = [("bf16 / fp32 matmul", text)]
+        if warning := bf16_warning(sd):
+            rows.append(("", warning))
+        report("bfloat16", (rows, {"bf16_over_fp32_matmul": sd["worst"]}))
+    for dtype_name in s.dtypes:
+        for part in _bench_dtype(s, dtype_name):
+            report(dtype_name, part)
+    peak = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else _peak_resident_bytes(False)
+    summary = {"bandwidth_gb_s": round(s.bandwidth / 1e9, 2)}
+    for dtype_name, (_, figures) in measured:
+        summary |= {key + ("" if dtype_name == "bfloat16" else "_fp32"): value for key, value in figures.items()}
+    summary["peak_memory_mb"] = round(peak / 2**20, 1)
     print(f"  peak memory {summary['peak_memory_mb']:.0f} MB")
     print(json.dumps(summary))
     return 0

@@ -3603,6 +3603,19 @@ def test_rollout_bytes_of_a_prefill_hand_counted():
     assert len(ro.schedule.calls) == R and S.rollout_bytes(model, ro) == expect
 
 
+def test_bench_prints_each_measurement_as_it_is_made(capsys, monkeypatch):
+    """A long bench shows its progress: the header and every measurement's rows are printed as they are made
+    (here: all of them before the KV-cache comparison starts), not all at the end."""
+    seen, real = [], S._cache_vs_recompute
+    monkeypatch.setattr(
+        S, "_cache_vs_recompute", lambda s, model: seen.append(capsys.readouterr().out) or real(s, model)
+    )
+    flags = ["--new-tokens", "2", "--cache-prompt", "4", "--cache-tokens", "2", "--repeats", "1", "--batch", "1"]
+    assert S.main(["bench", "--dtype", "float32", *flags]) == 0
+    assert all(f in seen[0] for f in ("bench:", "rollout b=1", "replay / rollout", "learner")), seen[0]
+    assert "KV cache," in capsys.readouterr().out
+
+
 def test_bench_model_on_a_checkpoint(tmp_path, capsys):
     """`bench --model` runs a checkpoint's shapes: dense and deferred agree, replay is bitwise, and it reports
     the roofline, the KV cache's bytes per token and what fits, and the peaks of load and run."""
