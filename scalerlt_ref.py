@@ -414,6 +414,11 @@ def exit_loops(
 EXIT_POLICIES = ("threshold", "sampled")
 
 
+def uniform(gen: torch.Generator) -> torch.Tensor:
+    """The next draw of a sequence's generator: a float64 uniform in [0, 1), on the host."""
+    return torch.rand((), generator=gen, dtype=torch.float64)
+
+
 def sample_exits(g: torch.Tensor, r: int, R: int, min_loops: int, gens: list[torch.Generator]) -> torch.Tensor:
     """The sampled exit policy's decisions after loop r of n deciding positions: (n,) long, r (exit now) or 0.
 
@@ -634,11 +639,6 @@ def deciding(loop: int, seq: torch.Tensor, pos: torch.Tensor, first: torch.Tenso
 def sequence_seed(seed: int, index: int) -> int:
     """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
     return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
-
-
-def uniform(gen: torch.Generator) -> torch.Tensor:
-    """The next draw of a sequence's generator: a float64 uniform in [0, 1), on the host."""
-    return torch.rand((), generator=gen, dtype=torch.float64)
 
 
 def sample_tokens(logp: torch.Tensor, u: torch.Tensor | None, temperature: float) -> torch.Tensor:
