@@ -3629,7 +3629,9 @@ def test_bench_model_on_a_checkpoint(tmp_path, capsys):
     assert summary["same_tokens_b2_fp32"] and summary["replay_bitwise_fp32"], out
     assert 0 < summary["roofline_dense_b2_fp32"] and 0 < summary["roofline_deferred_b2_fp32"], out
     assert summary["kv_bytes_per_token_fp32"] == S.kv_cache_bytes_per_token(cfg, torch.float32)["kv"]
-    assert summary["peak_run_mb_fp32"] >= summary["peak_load_mb_fp32"] > 0 and summary["bandwidth_gb_s"] > 0
+    # the run's peak is measured from a reset at the loaded model's resident size: it reaches the load's peak, give
+    # or take the load's freed temporaries (a fresh clone measured 1162.6 against 1162.7 MB)
+    assert summary["peak_run_mb_fp32"] >= 0.99 * summary["peak_load_mb_fp32"] > 0 and summary["bandwidth_gb_s"] > 0
     assert "no GRPO step" in out and "roofline b=2" in out and "KV cache memory" in out and "1.00 GB less" in out
     assert "bf16 / fp32" not in out  # float32 only: nothing to compare
 
