@@ -59,6 +59,7 @@ os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threa
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 # --- Config -----------------------------------------------------------------------------------------
 
@@ -162,6 +163,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def recomputed(fn: Callable, redo: bool, *args):
+    """fn(*args); with `redo` (activation checkpointing), backward runs fn again rather than keep its work."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
+
+
 class ScheduleError(RuntimeError):
     """A call that breaks what deferral keeps (Contract §4): raised whatever Python's flags (not an `assert`)."""
 
@@ -225,17 +231,22 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.KVH * self.D, bias=False)
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
-    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache):
+    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
         """x (n, C) the rows' input; cos, sin (n, 1, D) their rotations; k_cache, v_cache (B, KVH, T, D) for this
-        loop and layer."""
-        n, H, KVH, D, seq, pos, dtype = len(rows.pairs), self.H, self.KVH, self.D, rows.seq, rows.pos, x.dtype
+        loop and layer. `redo`: `attend` keeps only its inputs and runs again in backward."""
+        n, H, KVH, D, seq, pos = len(rows.pairs), self.H, self.KVH, self.D, rows.seq, rows.pos
         qk = apply_rope(torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D), cos, sin)
         q, k_cache[seq, :, pos] = qk.split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D): K is cached after RoPE
         v_cache[seq, :, pos] = self.v_proj(x).view(n, KVH, D)  # written before attending: rows see each other
+        K, V = k_cache[rows.seqs, :, : rows.Tk], v_cache[rows.seqs, :, : rows.Tk]  # (Bc, KVH, Tk, D) each
+        return recomputed(self.attend, redo, q, K, V, rows)
+
+    def attend(self, q, K, V, rows: Rows):  # q (n, H, D); K, V (Bc, KVH, Tk, D) -> (n, C)
+        (n, H, D), dtype = q.shape, q.dtype
         qp = q.new_zeros(rows.Bc, rows.Tq, H, D)
         qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D); padding rows are dropped below
-        K = k_cache[rows.seqs, :, : rows.Tk].repeat_interleave(H // KVH, dim=1)  # (Bc, H, Tk, D): head h reads
-        V = v_cache[rows.seqs, :, : rows.Tk].repeat_interleave(H // KVH, dim=1)  # KV head h // (H // KVH)
+        K = K.repeat_interleave(H // self.KVH, dim=1)  # (Bc, H, Tk, D): head h reads
+        V = V.repeat_interleave(H // self.KVH, dim=1)  # KV head h // (H // KVH)
         att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
         att = torch.softmax(att.masked_fill(rows.masked, float("-inf")), dim=-1, dtype=acc_dtype(dtype))
         y = (att.to(dtype) @ V).transpose(1, 2)[rows.slot, rows.index]  # (n, H, D)
@@ -254,9 +265,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache):  # x (n, C) -> (n, C)
-        attn = self.self_attn(self.input_layernorm(x), rows, cos, sin, k_cache, v_cache)  # (n, C)
+    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):  # x (n, C) -> (n, C)
+        attn = self.self_attn(self.input_layernorm(x), rows, cos, sin, k_cache, v_cache, redo)  # (n, C)
         x = x + self.input_layernorm_2(attn)
+        return recomputed(self.mlp_block, redo, x)
+
+    def mlp_block(self, x):
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -301,6 +315,7 @@ class LoopedLM(nn.Module):
                     else torch.zeros(param.shape)
                 )
         self._rope: dict = {}
+        self.grad_checkpoint = False  # teacher forcing recomputes in backward (`GRPOConfig`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -324,8 +339,10 @@ class LoopedLM(nn.Module):
         Returns h (n, C). Under "invariant" numerics each layer runs one row at a time (rows in
         position order, so a row's K/V is written before a later row of the call reads it)."""
         cos, sin = (table[rows.pos, None] for table in self.rope())  # (n, 1, D) each: the rows' rotations
+        redo = self.grad_checkpoint and numerics == "fast" and torch.is_grad_enabled()  # recompute in backward
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
-            x = by_rows(numerics, lambda xi, ri, ci, si: layer(xi, ri, ci, si, k_cache, v_cache), x, rows, cos, sin)
+            run = lambda xi, ri, ci, si: layer(xi, ri, ci, si, k_cache, v_cache, redo)  # noqa: E731
+            x = by_rows(numerics, run, x, rows, cos, sin)
         return by_rows(numerics, self.model.norm, x)
 
     def gate_logits(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
@@ -894,6 +911,21 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
 
 
+def concat_rollouts(chunks: list[Rollout]) -> Rollout:
+    """A step rolled out in chunks, as one batch (no schedule: each chunk replays its own, `replay_chunks`)."""
+    lists = {k: sum((getattr(c, k) for c in chunks), []) for k in ("prompts", "completions", "exit_loops")}
+    tensors = {k: torch.cat([getattr(c, k) for c in chunks]) for k in ("logprobs", "mask", "exit_logprobs")}
+    return dataclasses.replace(chunks[0], **lists, **tensors, schedule=None)
+
+
+def replay_chunks(model: LoopedLM, chunks: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's replay (its own schedule: exact), concatenated: (tokens', exits') log-probs, (B, N) each."""
+    if len(chunks) == 1:
+        return replay_logprobs(model, chunks[0], with_exits=True)
+    tok, ext = zip(*(replay_logprobs(model, c, with_exits=True) for c in chunks))
+    return torch.cat(tok), torch.cat(ext)
+
+
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of every
     sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops (exits are data)."""
@@ -992,6 +1024,18 @@ class GRPOConfig:
     adv_eps: float = 1e-4
     check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
     drop_tied: bool = False  # the loss leaves out every group whose rewards all tie (Contract §6)
+    micro_batch: int = 0  # sequences per backward, gradients accumulated; 0: the whole step at once
+    grad_checkpoint: bool = False  # teacher forcing keeps one input per (layer, loop), recomputed in backward
+
+
+def loss_count(mask: torch.Tensor, loss_agg: str, all_reduce: Callable | None = None):
+    """The loss's denominator over `mask`'s rows: tokens (token_mean), sequences (seq_mean_token_mean)
+    or rows x N (dr_grpo); with `all_reduce` (data parallel), over every process. At least 1."""
+    agg = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}
+    count = agg[loss_agg]
+    if all_reduce is not None:
+        count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
+    return count.clamp_min(1) if torch.is_tensor(count) else max(count, 1)
 
 
 def grpo_loss(
@@ -1003,6 +1047,7 @@ def grpo_loss(
     *,
     ref_logp: torch.Tensor | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    count=None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
 
@@ -1015,7 +1060,7 @@ def grpo_loss(
     Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
     higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
     log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
-    `all_reduce` (data parallel) sums the token or sequence count over every process.
+    `count`: the denominator (`loss_count`) when these rows are one micro-batch of a larger step.
     """
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
@@ -1030,10 +1075,7 @@ def grpo_loss(
     per_token = -term * maskf  # (B, N); we minimise
     if grpo.loss_agg == "seq_mean_token_mean":
         per_token = per_token.sum(1, keepdim=True) / maskf.sum(1, keepdim=True).clamp_min(1)  # (B, 1) sequence means
-    count = {"token_mean": maskf.sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[grpo.loss_agg]
-    if all_reduce is not None:  # data parallel: the count over every process
-        count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
-    loss = per_token.sum() / (count.clamp_min(1) if torch.is_tensor(count) else max(count, 1))
+    loss = per_token.sum() / (loss_count(mask, grpo.loss_agg, all_reduce) if count is None else count)
     with torch.no_grad():
         clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
         stats["clip_ratio"] = float((clipped.float() * maskf).sum() / maskf.sum().clamp_min(1))
@@ -1060,32 +1102,47 @@ def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
-def _audit_first_iteration(model: LoopedLM, ro: Rollout, tf: torch.Tensor, logp_old: torch.Tensor, check: bool) -> dict:
-    """Replay (if asked) and compare with the sampler bit for bit, tokens' and exits' log-probs (tf and
-    logp_old are joint); measure what a naive learner would be off."""
-    mask, metrics = ro.mask.to(model.device), {}
-    if check:
-        tok, ext = (x.to(model.device) for x in replay_logprobs(model, ro, with_exits=True))  # (B, N) each
-        mismatched = int(((tok != ro.logprobs.to(model.device)) & mask).sum())
-        mismatched_exits = int(((ext != ro.exit_logprobs.to(model.device)) & mask).sum())
-        metrics["exact/mismatched_tokens"] = mismatched
-        if ro.policy.exit_policy == "sampled":
-            metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
-        replay = joint_logprobs(ro, tok, ext)  # (B, N)
-        metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
-        if mismatched or mismatched_exits:
-            raise ReplayMismatchError(
-                f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
-                "sampler's; the learner would be off-policy (is the device nondeterministic?)"
-            )
-    metrics["sampling/naive_logp_difference/max"] = float(((tf.detach() - logp_old).abs() * mask).max())
+def _audit_first_iteration(model: LoopedLM, chunks: list[Rollout], logp_old: torch.Tensor, mask) -> dict:
+    """Replay and compare with the sampler bit for bit, tokens' and exits' log-probs (logp_old: joint)."""
+    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
+    tok, ext = (x.to(model.device) for x in replay_chunks(model, chunks))  # (B, N) each
+    mismatched = int(((tok != ro.logprobs.to(model.device)) & mask).sum())
+    mismatched_exits = int(((ext != ro.exit_logprobs.to(model.device)) & mask).sum())
+    metrics = {"exact/mismatched_tokens": mismatched}
+    if ro.policy.exit_policy == "sampled":
+        metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
+    replay = joint_logprobs(ro, tok, ext)  # (B, N)
+    metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
+    if mismatched or mismatched_exits:
+        raise ReplayMismatchError(
+            f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
+            "sampler's; the learner would be off-policy (is the device nondeterministic?)"
+        )
     return metrics
+
+
+def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, logp_old, numerics: str):
+    """The learner's and teacher forcing's joint log-probs of the rows `piece`, (b, N) each: the `live`
+    ones from `learner_logprobs`, the others logp_old (their advantage is 0: they add exactly 0)."""
+    forced = [j for j, b in enumerate(piece) if b in set(live)]
+    picked, rows = [piece[j] for j in forced], torch.tensor(forced, device=model.device)
+    lp = learner_logprobs(model, ro.select(picked), numerics, tuple(v[picked] for v in value))
+    return tuple(logp_old[piece].index_put((rows,), x) for x in lp)
+
+
+def _pooled(stats: list[dict], tokens: list[float]) -> dict:
+    """Micro-batches' `grpo_loss` stats as the whole step's: token-weighted means, extremes of extremes."""
+    if len(stats) == 1:
+        return stats[0]
+    mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(sum(tokens), 1)  # noqa: E731
+    pooled = {key: mean(key) for key in ("kl", "clip_ratio") if key in stats[0]}
+    return pooled | {"ratio_max": max(s["ratio_max"] for s in stats), "ratio_min": min(s["ratio_min"] for s in stats)}
 
 
 def grpo_update(
     model: LoopedLM,
     opt: torch.optim.Optimizer,
-    ro: Rollout,
+    ro: Rollout | list[Rollout],
     rewards: torch.Tensor,
     grpo: GRPOConfig,
     numerics: str = "fast",
@@ -1098,37 +1155,51 @@ def grpo_update(
     gradient. Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's
     recorded log-probs (with `check_replay` the replay runs anyway and any token whose bits differ refuses
     the step). Iterations 2..mu: the replay with the new weights. Sampled exits: every log-prob is the step's
-    joint one, token + exit, so the gate learns from the same advantage as the tokens. `all_reduce` (data
-    parallel) sums across processes."""
-    mask = ro.mask.to(model.device)  # (B, N)
+    joint one, token + exit, so the gate learns from the same advantage as the tokens. `ro` may be the
+    step's chunks (a list: each replays its own schedule). With `grpo.micro_batch`, teacher forcing and
+    backward run that many sequences at a time, the loss over the whole step's count (`loss_count`), the
+    gradients summed: the whole-step update up to summation order. `all_reduce` (data parallel) sums
+    across processes."""
+    chunks = ro if isinstance(ro, list) else [ro]
+    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
+    mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each, exact
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
     _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
     adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
-    ref_logp = None
-    if grpo.beta > 0:
-        with torch.no_grad():
-            ref_logp = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro, numerics, with_exits=True))
     # NOTE: a sequence whose advantage is exactly 0 adds exactly 0 to the loss and only its tokens to the count: teacher
     # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward).
     # drop_tied (DAPO's filter, no refill): the loss and its count are over the groups that do not all tie (kept) only
     kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size) | (not grpo.drop_tied)  # (B,)
     live = torch.nonzero((adv != 0) | ((grpo.beta > 0) & kept))[:, 0].tolist() or [0]
-    metrics, clip_ratios, live_ro, rows = {}, [], ro.select(live), torch.tensor(live, device=model.device)
+    size = grpo.micro_batch if 0 < grpo.micro_batch < B else B  # micro-batches of live rows, or every row at once
+    pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
+    count, model.grad_checkpoint = loss_count(mask[kept], grpo.loss_agg, all_reduce), grpo.grad_checkpoint
+    with torch.no_grad():  # the KL reference's joint log-probs, teacher-forced once, a micro-batch at a time
+        ref = lambda p: joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(p), numerics, True))  # noqa: E731
+        refs = [ref(p) if grpo.beta > 0 else None for p in pieces]
+    metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact: the whole schedule
-        lp = learner_logprobs(model, live_ro, numerics, tuple(v[live] for v in value))  # value bits, tf grad
-        logp, tf = (logp_old.index_put((rows,), x) for x in lp)  # (B, N): the skipped rows are logp_old
-        # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
-        _finite_or_stop((logp.detach() < math.inf)[mask].all(), f"learner log-probs, iteration {it + 1}", model)
-        if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
-            metrics.update(_audit_first_iteration(model, ro, tf, logp_old, grpo.check_replay))
-        over = [x if x is None else x[kept] for x in (logp, logp_old, adv, mask, ref_logp)]  # all, unless drop_tied
-        loss, stats = grpo_loss(*over[:4], grpo, ref_logp=over[4], all_reduce=all_reduce)
-        _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
+        value = recorded if it == 0 else replay_chunks(model, chunks)  # exact: each chunk's whole schedule
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        losses, stats, tokens, naive = [], [], [], 0.0
+        for i, piece in enumerate(pieces):  # a micro-batch: its live rows are teacher-forced
+            logp, tf = micro_batch_logprobs(model, ro, piece, live, value, logp_old, numerics)  # (b, N) each
+            # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
+            _finite_or_stop(
+                (logp.detach() < math.inf)[mask[piece]].all(), f"learner log-probs, iteration {it + 1}", model
+            )
+            naive = max(naive, float(((tf.detach() - logp_old[piece]).abs() * mask[piece]).max()))
+            k = kept[piece]
+            over = [x if x is None else x[k] for x in (logp, logp_old[piece], adv[piece], mask[piece], refs[i])]
+            loss, s = grpo_loss(*over[:4], grpo, ref_logp=over[4], count=count)
+            _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
+            loss.backward()
+            losses.append(loss.item()), stats.append(s), tokens.append(float(over[3].sum()))
+        if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
+            metrics.update(_audit_first_iteration(model, chunks, logp_old, mask) if grpo.check_replay else {})
+            metrics["sampling/naive_logp_difference/max"] = naive
         for param in model.parameters() if all_reduce is not None else []:  # data parallel: sum the gradients
             param.grad = None if param.grad is None else all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
@@ -1136,9 +1207,10 @@ def grpo_update(
         opt.step()
         _finite_or_stop(all(param.isfinite().all() for param in model.parameters()), "parameters after the step", model)
         # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
+        stats = _pooled(stats, tokens)
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
-            metrics.update(stats, loss=loss.item(), grad_norm=float(grad_norm))
+            metrics.update(stats, loss=sum(losses[1:], losses[0]), grad_norm=float(grad_norm))
     metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
     return metrics
 
@@ -2085,6 +2157,13 @@ class TrainConfig:
     scale_rewards: str = _flag("group", "advantage scaling", choices=SCALE_REWARDS)
     loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
     mu: int = _flag(1, "inner iterations per batch of rollouts", within=(1, 1000))
+    micro_batch: int = _flag(
+        0, "sequences per backward, gradients accumulated (0: the whole step)", within=(0, MAX_COUNT)
+    )
+    grad_checkpoint: bool = _flag(False, "teacher forcing recomputes each layer in backward (activation checkpointing)")
+    rollout_batch: int = _flag(
+        0, "sequences per rollout chunk, each replayed on its own (0: the whole step)", within=(0, MAX_COUNT)
+    )
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
     reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness or 'digits' (smoke tests)", choices=REWARDS)
@@ -2206,7 +2285,19 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
     prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
-    ro = rollout(model, prompts, policy, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, sequence_ids=gids)
+    k = cfg.rollout_batch or len(prompts)  # chunks of k sequences: each its own rollout, schedule and replay
+    chunks = [
+        rollout(
+            model,
+            prompts[i : i + k],
+            policy,
+            max_new_tokens=cfg.max_new_tokens,
+            seed=cfg.seed,
+            sequence_ids=gids[i : i + k],
+        )
+        for i in range(0, len(prompts), k)
+    ]
+    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
     texts = [tok.decode(c) for c in ro.completions]
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
     scored = [c[-1] in policy.stop_ids or not cfg.stop_required for c in ro.completions]  # False: cut, scores 0
@@ -2216,7 +2307,7 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    t1, m = time.time(), grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
+    t1, m = time.time(), grpo_update(model, opt, chunks, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
         "reward": float(rw.mean()),
@@ -3688,6 +3779,9 @@ DEMO_PRESET = {
     "dtype": ("float32", "model dtype (bfloat16: float32 master weights; see --export-rounding)"),
     "export_rounding": ("stochastic", "bfloat16: how the copy is exported from the masters after every step"),
     "mu": (2, "GRPO inner iterations per batch of rollouts"),
+    "micro_batch": (0, "sequences per backward, gradients accumulated (0: the whole step)"),
+    "grad_checkpoint": (False, "teacher forcing recomputes each layer in backward (activation checkpointing)"),
+    "rollout_batch": (0, "sequences per rollout chunk, each replayed on its own (0: the whole step)"),
     "max_new_tokens": (16, "completion length limit"),
     "temperature": (1.0, "GRPO's sampling temperature (the held-out evaluation is greedy)"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
