@@ -1,40 +1,37 @@
-"""ScaleRLT reference: exact reinforcement learning on looped (Ouro-style) language models.
+"""ScaleRLT reference: exact RL on looped (Ouro-style) language models.
 
-A looped language model applies one stack of L decoder layers R times ("loops"); after every loop a learned
-exit gate says how likely the token is to be done, so easy tokens can stop early. This module is a teaching
-reference (read it top to bottom once), a trainer (GRPO; the commands are at the bottom) and an oracle that
-other engines check their tokens, exit loops and log-probs against. Its contract is the README's "Contract"
-section, cited here as Contract §N; the README also has the derivations and every guarantee with its test.
+A looped LM applies one stack of L decoder layers R times ("loops"); after
+every loop an exit gate says how likely the token is to be done, so easy
+tokens stop early. A teaching reference, a GRPO trainer and an oracle for
+engines; its contract is the README's "Contract", cited as Contract §N.
 
 The method in four lines:
-- Deferred rollouts: a token stops at its exit loop. Loops it skipped are computed later, only if a later
-  token needs them (its K/V at that loop), riding along as extra rows in that token's calls.
-- Every rollout records its *schedule*: the ordered calls (loop, rows) it made.
-- Replay re-executes the schedule through the same function, so it reproduces the sampler's log-probs bit for
-  bit; the learner takes the *value* from the replay and the *gradient* from an ordinary dense teacher-forced
-  forward, `replay.detach() + (tf - tf.detach())`: GRPO's first-iteration ratios are exactly 1.
-- Optionally the exit loop is itself an action (`exit_policy="sampled"`), replayed and differentiated alike.
+- Deferred rollouts: a token stops at its exit loop; the loops it skipped
+  run later, only if a later token needs their K/V, riding along in its calls.
+- Every rollout records its *schedule*: the ordered calls (loop, rows).
+- Replay re-executes the schedule through the same function: the sampler's
+  log-probs, bit for bit. The learner takes the value from the replay and the
+  gradient from a dense teacher-forced pass: GRPO's first ratios are exactly 1.
+- Optionally the exit loop is itself an action (`exit_policy="sampled"`).
 
-Why bits differ at all: a floating-point result depends on how an operation is batched (kernels are picked by
-shape), and a deferred rollout, a dense one and a teacher-forced learner batch a token's rows differently. Two
-fixes, both here: `numerics="invariant"` computes every row alone (slow; how the tests prove the algorithm), and the
-replay, which re-executes the *same* calls and so gets the *same* bits.
+Bits depend on batching (kernels are picked by shape): the replay re-executes
+the *same* calls, so it gets the *same* bits; `numerics="invariant"` computes
+every row alone (slow; how the tests prove the algorithm).
 
-Reading order: config, numerics, model, exit rule, KV cache and calls, the policy, rollouts, learner log-probs,
-GRPO; then a banner, and below it the tooling, which nothing above needs. Simplified on purpose: one model per
-process (under torchrun each process holds a copy and gradients are all-reduced); a dense KV cache, allocated for the
-whole rollout; no sliding window, RoPE scaling or attention bias (Ouro-1.4B uses none of them).
+Below the banner "THE METHOD ENDS HERE": tooling, which nothing above needs.
+Simplified: one model a process, a dense KV cache, no sliding window, no bias.
 
-Letters, one meaning each. Shapes: B sequences, T positions, N new tokens (completion length), R loops, L layers, C
-width, H query heads, KVH key/value heads, D head size, I MLP width, V vocabulary, n rows of a call, n_out rows read
-out in a call; in GRPO, G completions per prompt and P prompts per step; in attention, Bc the call's sequences, Tq
-their most rows, Tk key positions. Names: r a loop (1-based), j a number of loops run, p a position (0-based), b a
-sequence, c its completion, tok_index a completion token's index, tok a token (or a step's token log-prob, beside
-ext its exit's), e an exit loop, h a loop's output, x a layer's input, g gate logits, lam = sigmoid(g), tau the exit
-threshold, u a uniform draw, q/k/v queries/keys/values, ro a rollout, logp log-probabilities, tf teacher-forced, adv
-advantages (a: as a column), rw rewards, it GRPO's inner iteration.
+Letters, one meaning each (rarer names are defined where they are used):
 
-Run it: `python scalerlt_ref.py --help`. Test it: `python -m pytest -q test_ref.py`."""
+    shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
+             R loops      L layers     C width       I MLP width
+             H heads      KVH K/V heads              D head size
+    indices  b sequence   p position (0-based)   r loop (1-based)   e exit loop
+    values   x layer input   h loop output   g gate logit   lam sigmoid(g)
+             tau exit threshold   u uniform draw   logp log-probabilities
+    GRPO     G per prompt  P prompts  ro rollout  tf teacher-forced  adv, rw, it
+
+Run: `python scalerlt_ref.py --help`; test: `pytest -q test_ref.py`."""
 
 from __future__ import annotations
 
@@ -55,91 +52,86 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")  # NOTE: else MKL runs fewer threads when cores are busy: other bits
+# NOTE: the commands' bits on busy cores; MKL reads it only before torch is imported.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
-# --- Config -----------------------------------------------------------------------------------------
 
-
+# --- Config -----------------------------------------------------------------
 @dataclass
 class Config:
-    """One looped model's shape, in HF Ouro's config.json names. Trusted here: configs are checked where they
-    are read (`Config.from_json(path)`, `Config.from_dict(d)`: the loader's functions, attached below the banner)."""
+    """A looped model's shape, in HF Ouro's config.json names (trusted)."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
     intermediate_size: int = 128  # I, the MLP width
     num_hidden_layers: int = 2  # L, layers per loop
     num_attention_heads: int = 4  # H
-    num_key_value_heads: int = 2  # KVH; H must be a multiple of KVH (GQA when KVH < H)
+    num_key_value_heads: int = 2  # KVH; H is a multiple of KVH (GQA when KVH < H)
     head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
-    total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro's code)
-    early_exit_threshold: float | None = 1.0  # exit at the first loop whose exit CDF reaches this; None: at R
+    total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro)
+    early_exit_threshold: float | None = 1.0  # tau; None: every token exits at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False  # Ouro's head is untied; tied checkpoints still load
-    initializer_range: float = 0.02  # std of the random init (tiny models only)
+    tie_word_embeddings: bool = False  # Ouro's head is untied; tied ones load
+    initializer_range: float = 0.02  # std of the random init (tiny models)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self):
-        if self.head_dim == 0:  # checked by the loader (`check_config`) before a file's Config is built
+        if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
 
-# --- Numerics ---------------------------------------------------------------------------------------
+# --- Numerics ---------------------------------------------------------------
 
 NUMERICS = ("fast", "invariant")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of softmaxes, norms and the exit rule: float32, or float64 for a float64 model."""
+    """Softmaxes', norms' and the exit rule's dtype (float64 for float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
-    """Apply `fn` to all rows at once ("fast") or to one row at a time ("invariant").
-    NOTE: "invariant" is the whole trick of batch invariance: a row computed alone gets the same bits
-    whatever else was in its call, because every kernel sees the same one-row shape every time."""
+    """`fn` of all rows at once ("fast") or of one row at a time ("invariant").
+    NOTE: a row alone gets the same bits whatever shares its call (same shapes)."""
     if numerics == "fast":
         return fn(*rows)
-    return torch.cat([fn(*(x[i : i + 1] for x in rows)) for i in range(rows[0].shape[0])])
+    n = rows[0].shape[0]
+    return torch.cat([fn(*(x[i : i + 1] for x in rows)) for i in range(n)])
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid of every element by the scalar kernel, in one call: its bits never depend on how many go together.
-    NOTE: torch's CPU sigmoid gives a contiguous tensor's body a vector kernel and its tail (under 32 floats) the
-    scalar one, with other bits. A strided view (every other element of a stacked copy) is not contiguous, so every
-    element takes the scalar path: the bits of a one-element call (tested). On a GPU: one kernel for all elements."""
+    """sigmoid by the scalar kernel: batch-independent bits (tested)."""
+    # NOTE: why: README, Contract, "Derivations" (sigmoid_elementwise)
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
 
 def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin for every position: (max_position_embeddings, D), NeoX split-half layout. Computed once in
-    float64 and rounded once to `dtype`; rows are looked up by position, so a row's rotation never depends on
-    which other rows share its call."""
+    """cos, sin (max_position_embeddings, D), NeoX split-half layout: float64,
+    rounded once, looked up by position (independent of the call)."""
     D = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-    angles = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq  # (T, D/2)
+    angles = torch.arange(cfg.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, D)
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (n, heads, D), cos/sin (n, 1, D): rotate pairs (i, i + D/2) by the position's angles."""
+    """x (n, heads, D), cos/sin (n, 1, D): rotate pairs (i, i + D/2)."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin  # (n, heads, D)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (n, heads, D)
+    return x * cos + rotated * sin
 
 
-# --- Model (HF Ouro's module names, so state_dict keys are the checkpoint's tensor names) -----------
-
-
+# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) ---------
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -149,15 +141,16 @@ class RMSNorm(nn.Module):
     def forward(self, x):  # x (n, C)
         xf = x.to(acc_dtype(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.type_as(x)  # NOTE: weight multiplies in the input dtype, as in Ouro
+        return self.weight * xf.type_as(x)  # NOTE: in the input dtype, as in Ouro
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        C, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(C, I, bias=False)
+        self.up_proj = nn.Linear(C, I, bias=False)
+        self.down_proj = nn.Linear(I, C, bias=False)
 
     def forward(self, x):  # (n, C) -> (n, C)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -169,59 +162,67 @@ def recomputed(fn: Callable, redo: bool, *args):
 
 
 class ScheduleError(RuntimeError):
-    """A call that breaks what deferral keeps (Contract §4): raised whatever Python's flags (not an `assert`)."""
+    """A call breaks what deferral keeps (Contract §4)."""
 
 
 @dataclass
 class Rows:
-    """A call's rows (sequence, position) on the device, packed for attention as a (Bc, Tq) grid, one line a
-    sequence. For rows (0, 3), (0, 4), (2, 7): seqs [0, 2], slot [0, 0, 1], index [0, 1, 0], Tq 2, Tk 8:
+    """A call's rows (b, p), packed for attention as Bc lines (one a sequence)
+    of Tq slots. Rows (0, 3), (0, 4), (2, 7) pack as
 
-        slot 0 (sequence 0):  pos 3  pos 4       each sequence's rows side by side, padded to Tq;
-        slot 1 (sequence 2):  pos 7  (pad)       keys: positions 0 .. Tk-1 of each sequence's cache
+        line  b   index 0  index 1     seqs  [0, 2]      Bc 2
+          0   0    pos 3    pos 4      slot  [0, 0, 1]   Tq 2
+          1   2    pos 7    (pad)      index [0, 1, 0]   Tk 8
 
-    Built on the host from the call's list, so attention reads nothing back from the device."""
+    Built on the host: attention reads nothing back from the device."""
 
     pairs: list[tuple[int, int]]  # the call's rows, sorted and unique
     seq: torch.Tensor  # (n,) long
     pos: torch.Tensor  # (n,) long
-    slot: torch.Tensor  # (n,) long: the row's line in the grid (its sequence's index in seqs)
+    slot: torch.Tensor  # (n,) long: the row's line in the grid
     index: torch.Tensor  # (n,) long: the row's place in its line
-    seqs: torch.Tensor  # (Bc,) long: the call's sequences
-    last: torch.Tensor  # (Bc,) long: each one's last position in the call
-    Bc: int  # the call's number of sequences
-    Tq: int  # the most rows of one sequence
-    Tk: int  # the call's last position + 1 (from the rows, not the cache: a replay's cache has another length)
-    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: the keys a row may not attend to (later positions)
-    alone: dict = field(default_factory=dict, repr=False)  # `__getitem__`'s
+    seqs: torch.Tensor  # (Bc,) long: each line's sequence
+    last: torch.Tensor  # (Bc,) long: each line's last position
+    Bc: int  # lines: the call's number of sequences
+    Tq: int  # slots a line: the most rows of one sequence
+    Tk: int  # keys 0 .. the last position (a replay's cache has another T)
+    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: keys a slot may not see
+    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
     def of(cls, pairs: list[tuple[int, int]], device) -> Rows:
         if not pairs or any(a >= b for a, b in zip(pairs, pairs[1:])):
-            raise ScheduleError("a call's rows must be one or more (sequence, position) pairs, sorted and unique")
-        runs = [(b, [p for _, p in run]) for b, run in itertools.groupby(pairs, key=lambda row: row[0])]
-        Tq, Tk = max(len(ps) for _, ps in runs), max(ps[-1] for _, ps in runs) + 1
-        slot, index = [], []  # each row's line in the grid and its place in that line
-        for i, (_, ps) in enumerate(runs):
+            msg = "a call's rows must be one or more (sequence, position) pairs, sorted and unique"
+            raise ScheduleError(msg)
+        lines: dict[int, list[int]] = {}  # b -> its positions, in order
+        for b, p in pairs:
+            lines.setdefault(b, []).append(p)
+        Tq = max(len(ps) for ps in lines.values())
+        slot, index, grid = [], [], []
+        for i, ps in enumerate(lines.values()):
             slot += [i] * len(ps)
             index += range(len(ps))
-        seq, pos, slot, index = torch.tensor([*zip(*pairs), slot, index], device=device)  # (n,) each
-        lines = torch.tensor([[b, ps[-1], *ps] + [0] * (Tq - len(ps)) for b, ps in runs], device=device)
-        seqs, last, grid = lines[:, 0], lines[:, 1], lines[:, 2:]  # (Bc,), (Bc,), (Bc, Tq) positions (padding: 0)
-        # The mask, for a sequence whose call has rows at positions 3 and 4 (Tk = 5; x: may attend):
-        #   row at pos 3:  x x x x .      earlier positions come from the cache, the row itself from
-        #   row at pos 4:  x x x x x      this call (written before attending); later positions are masked
-        masked = torch.arange(Tk, device=device) > grid[:, None, :, None]  # (Bc, 1, Tq, Tk)
-        return cls(pairs, seq, pos, slot, index, seqs, last, len(runs), Tq, Tk, masked)
+            grid.append(ps + [0] * (Tq - len(ps)))  # padding: 0
+        seq, pos = torch.tensor(pairs, device=device).T  # (n,) each
+        slot, index = torch.tensor([slot, index], device=device)  # (n,) each
+        last = [ps[-1] for ps in lines.values()]
+        Tk = max(last) + 1
+        seqs, last = torch.tensor([list(lines), last], device=device)  # (Bc,) each
+        # The mask of a line with rows at pos 3 and 4 (Tk 5; x: may attend):
+        #   pos 3:  x x x x .    earlier positions come from the cache,
+        #   pos 4:  x x x x x    the row itself from this call
+        grid = torch.tensor(grid, device=device)[:, None, :, None]  # (Bc, 1, Tq, 1)
+        masked = torch.arange(Tk, device=device) > grid  # (Bc, 1, Tq, Tk)
+        return cls(pairs, seq, pos, slot, index, seqs, last, len(lines), Tq, Tk, masked)
 
-    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`, invariant numerics), packed once
+    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`), packed once
         if (i.start, i.stop) not in self.alone:
             self.alone[i.start, i.stop] = Rows.of(self.pairs[i], self.seq.device)
         return self.alone[i.start, i.stop]
 
 
 class Attention(nn.Module):
-    """Causal GQA attention over a call's rows, reading and writing one loop's K/V for one layer."""
+    """Causal GQA attention of a call's rows; one loop's K/V, read and written."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -232,41 +233,48 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C) the rows' input; cos, sin (n, 1, D) their rotations; k_cache, v_cache (B, KVH, T, D) for this
-        loop and layer. `redo`: `attend` keeps only its inputs and runs again in backward."""
-        n, H, KVH, D, seq, pos = len(rows.pairs), self.H, self.KVH, self.D, rows.seq, rows.pos
-        qk = apply_rope(torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D), cos, sin)
-        q, k_cache[seq, :, pos] = qk.split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D): K is cached after RoPE
-        v_cache[seq, :, pos] = self.v_proj(x).view(n, KVH, D)  # written before attending: rows see each other
-        K, V = k_cache[rows.seqs, :, : rows.Tk], v_cache[rows.seqs, :, : rows.Tk]  # (Bc, KVH, Tk, D) each
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (B, KVH, T, D).
+        `redo`: `attend` keeps only its inputs and runs again in backward."""
+        n, H, KVH, D = len(rows.pairs), self.H, self.KVH, self.D
+        qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
+        q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
+        # K (after RoPE) and V written before attending: rows see each other
+        k_cache[rows.seq, :, rows.pos] = k
+        v_cache[rows.seq, :, rows.pos] = self.v_proj(x).view(n, KVH, D)
+        K = k_cache[rows.seqs, :, : rows.Tk]  # (Bc, KVH, Tk, D)
+        V = v_cache[rows.seqs, :, : rows.Tk]
         return recomputed(self.attend, redo, q, K, V, rows)
 
-    def attend(self, q, K, V, rows: Rows):  # q (n, H, D); K, V (Bc, KVH, Tk, D) -> (n, C)
+    def attend(self, q, K, V, rows: Rows):  # q (n, H, D) -> (n, C)
         (n, H, D), dtype = q.shape, q.dtype
-        qp = q.new_zeros(rows.Bc, rows.Tq, H, D)
-        qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D); padding rows are dropped below
-        K = K.repeat_interleave(H // self.KVH, dim=1)  # (Bc, H, Tk, D): head h reads
-        V = V.repeat_interleave(H // self.KVH, dim=1)  # KV head h // (H // KVH)
+        qp = q.new_zeros(rows.Bc, rows.Tq, H, D)  # the grid of `Rows`
+        qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D)
+        rep = H // self.KVH  # head h reads K/V head h // rep
+        K = K.repeat_interleave(rep, dim=1)  # (Bc, H, Tk, D)
+        V = V.repeat_interleave(rep, dim=1)
         att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
-        att = torch.softmax(att.masked_fill(rows.masked, float("-inf")), dim=-1, dtype=acc_dtype(dtype))
-        y = (att.to(dtype) @ V).transpose(1, 2)[rows.slot, rows.index]  # (n, H, D)
+        att = att.masked_fill(rows.masked, float("-inf"))
+        att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype))
+        y = (att.to(dtype) @ V).transpose(1, 2)  # (Bc, Tq, H, D)
+        y = y[rows.slot, rows.index]  # (n, H, D): padding dropped
         return self.o_proj(y.reshape(n, H * D))
 
 
 class DecoderLayer(nn.Module):
-    """Ouro's sandwich-norm block: each sublayer's output is normalised again before the residual."""
+    """Ouro's sandwich norms: each sublayer's output is normalised again."""
 
     def __init__(self, cfg: Config):
         super().__init__()
+        C, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(C, eps)
+        self.input_layernorm_2 = RMSNorm(C, eps)
+        self.post_attention_layernorm = RMSNorm(C, eps)
+        self.post_attention_layernorm_2 = RMSNorm(C, eps)
 
-    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):  # x (n, C) -> (n, C)
-        attn = self.self_attn(self.input_layernorm(x), rows, cos, sin, k_cache, v_cache, redo)  # (n, C)
+    def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
+        attn = self.self_attn(self.input_layernorm(x), rows, cos, sin, k_cache, v_cache, redo)
         x = x + self.input_layernorm_2(attn)
         return recomputed(self.mlp_block, redo, x)
 
@@ -275,7 +283,7 @@ class DecoderLayer(nn.Module):
 
 
 class OuroBody(nn.Module):
-    """`model.*` in an Ouro checkpoint: embeddings, the shared layers, the final norm and the exit gate."""
+    """`model.*` of an Ouro checkpoint: embeddings, layers, norm, exit gate."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -286,34 +294,26 @@ class OuroBody(nn.Module):
 
 
 class LoopedLM(nn.Module):
-    """Ouro's looped decoder: R passes through the same L layers, a readout and an exit gate per loop.
-
-    Per loop, per layer (sandwich RMSNorm; Contract §2):
-        h = h + input_layernorm_2(attn(input_layernorm(h)))
-        h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))
-    then h = norm(h): the final norm sits *inside* the loop and feeds the next loop. Loop r reads out
-    lm_head(h_r) (untied) and its gate early_exit_gate(h_r). Every loop has its own K/V per layer.
-    `LoopedLM.from_pretrained(path, dtype=, device=)` and `model.save_pretrained(path)` (HF's names) are the
-    checkpoint functions below the banner, attached to this class there so that it needs nothing from there.
-    """
+    """Ouro's looped decoder: R passes through the same L layers (Contract §2),
+    then h = norm(h): the final norm is *inside* the loop. Loop r reads out
+    lm_head(h_r) and early_exit_gate(h_r); each loop has its own K/V."""
 
     def __init__(self, cfg: Config, *, seed: int = 0):
         super().__init__()
         self.config = cfg
         self.model = OuroBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)  # a dedicated generator: init never touches global RNG
+        gen = torch.Generator().manual_seed(seed)  # not the global RNG
         for name, param in self.named_parameters():
-            if param.is_meta:  # built on the meta device (shapes only) to be filled from a checkpoint: no init
+            if param.is_meta:  # shapes only, to be filled from a checkpoint
                 break
-            if name.endswith("layernorm.weight") or "layernorm_2" in name or name == "model.norm.weight":
+            if "layernorm" in name or name == "model.norm.weight":
                 continue  # norms start at 1
+            init = torch.zeros(param.shape)  # biases start at 0
+            if param.dim() > 1:
+                init = torch.randn(param.shape, generator=gen) * cfg.initializer_range
             with torch.no_grad():
-                param.copy_(
-                    torch.randn(param.shape, generator=gen) * cfg.initializer_range
-                    if param.dim() > 1
-                    else torch.zeros(param.shape)
-                )
+                param.copy_(init)
         self._rope: dict = {}
         self.grad_checkpoint = False  # teacher forcing recomputes in backward (`GRPOConfig`)
 
@@ -327,21 +327,18 @@ class LoopedLM(nn.Module):
 
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
         key = (self.dtype, self.device)
-        if key not in self._rope:  # computed once per dtype and device, never inside a call
+        if key not in self._rope:  # once per dtype and device
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
     def loop(self, x, rows: Rows, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
-        """One pass of some rows through all L layers of one loop, then the final norm.
-
-        x (n, C) the rows' input (embedding at loop 1, the previous loop's output after); rows: which (`Rows`);
-        k, v: this loop's K/V per layer, each (B, KVH, T, D), where the rows' K/V are written.
-        Returns h (n, C). Under "invariant" numerics each layer runs one row at a time (rows in
-        position order, so a row's K/V is written before a later row of the call reads it)."""
-        cos, sin = (table[rows.pos, None] for table in self.rope())  # (n, 1, D) each: the rows' rotations
-        redo = self.grad_checkpoint and numerics == "fast" and torch.is_grad_enabled()  # recompute in backward
+        """x (n, C), rows' input -> h (n, C), through one loop's L layers and
+        the norm; k, v: this loop's K/V per layer. Rows go in position order."""
+        cos, sin = self.rope()
+        cos, sin = cos[rows.pos, None], sin[rows.pos, None]  # (n, 1, D) each
+        redo = self.grad_checkpoint and numerics == "fast" and torch.is_grad_enabled()
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
-            run = lambda xi, ri, ci, si: layer(xi, ri, ci, si, k_cache, v_cache, redo)  # noqa: E731
+            run = lambda *a: layer(*a, k_cache, v_cache, redo)  # noqa: E731
             x = by_rows(numerics, run, x, rows, cos, sin)
         return by_rows(numerics, self.model.norm, x)
 
@@ -354,20 +351,18 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
 
-# --- Exit rule --------------------------------------------------------------------------------------
+# --- Exit rule --------------------------------------------------------------
 
-# Exit rules are data: a named setting of the policy, used alike by the rollout (which decides), the replay
-# and the learner (which carry the rollout's decisions) and the oracle (which checks an engine's). "survival"
-# is Contract §3's rule; "hf" is Hugging Face modeling_ouro.py's arithmetic, which an engine derived from it
-# computes, and which differs from "survival" in bfloat16 (README, "Checking a bfloat16 engine").
+# "survival": Contract §3's exit rule; "hf": modeling_ouro.py's arithmetic.
 EXIT_RULES = ("survival", "hf")
 
 
 def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
-    """Contract §3's CDF over the first j <= R loops: (..., j) gates -> (..., j) float64 values.
-    CDF_j = 1 - prod_{i<=j}(1 - lam_i), lam in float32 (float64 for a float64 model); CDF_R = 1."""
-    stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))  # (..., j) 1 - lam
-    remaining, cdf = torch.ones_like(stay[..., :1]), [stay[..., :0]]  # prod (1 - lam): not exited yet
+    """Contract §3's CDF of j <= R loops' gates (..., j): float64, CDF_R = 1.
+    CDF_j = 1 - prod_{i<=j} (1 - lam_i), lam in acc_dtype."""
+    stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
+    remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not yet exited
+    cdf = [stay[..., :0]]
     for j in range(stay.shape[-1]):
         remaining = remaining * stay[..., j : j + 1]
         cdf.append(1 - remaining)
@@ -377,23 +372,16 @@ def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
 
 def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
-    """HF's exit CDF over the first j <= R loops, in the gates' own dtype: (..., j) -> (..., j).
-    lam_i = sigmoid(g_i); p_i = lam_i * remaining and remaining *= 1 - lam_i for i < R, p_R = remaining;
-    CDF = cumsum(p). Every step in the model dtype, as modeling_ouro.py computes it.
-    NOTE: three traps, measured on this CPU build. (1) torch's CPU cumsum adds in a wider dtype (float32 for
-    bfloat16, float64 for float32) and rounds only its outputs (rounding each partial sum changed 33% of random
-    bfloat16 4-loop CDFs): written out here as that loop, so the bits are the same on any device and batch.
-    (2) In float32/float64 torch's vector sigmoid gives some elements other bits than its scalar path (a
-    call's tail under 32 floats, a lone element); `sigmoid_elementwise` takes the scalar path always: HF's
-    bits when its call has under 32 gates, and independent of batching (bfloat16: no difference). (3) p_1..p_j
-    do not depend on later loops and the sum runs in order: a prefix of gates gives a prefix of the CDF,
-    so the rule can decide after every loop."""
-    lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) in the model dtype: no widening
-    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)  # (...,)
-    total = torch.zeros_like(remaining, dtype=torch.float64 if lam.dtype.itemsize >= 4 else torch.float32)
+    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
+    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p)."""
+    # NOTE: why: README, Contract, "Derivations" (_hf_cdf)
+    lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
+    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
+    wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
+    total = torch.zeros_like(remaining, dtype=wide)
     cdf = [lam[..., :0]]
-    for i in range(lam.shape[-1]):  # loop i + 1; the last loop takes what is left
-        total = total + (lam[..., i] * remaining if i < R - 1 else remaining)  # cumsum's sum, in its wider dtype
+    for i in range(lam.shape[-1]):  # loop i + 1; the last takes the rest
+        total = total + (lam[..., i] * remaining if i < R - 1 else remaining)
         remaining = remaining * (1.0 - lam[..., i])
         cdf.append(total.to(lam.dtype)[..., None])
     return torch.cat(cdf, dim=-1)
@@ -402,72 +390,49 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 def exit_loops(
     gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
 ) -> torch.Tensor:
-    """The exit rule (Contract §3) for n positions at once, given the gate logits of their first j <= R
-    loops: gate_logits (n, j) -> (n,) long, each position's exit loop, 0 while loops 1..j do not decide.
-
-    The exit loop is the first r >= min_loops with CDF_r >= tau (R when none); tau None always exits at R.
-    Every operation is elementwise across positions: a position's decision has the same bits alone (n = 1)
-    as among others (the rollout asks for a call's deciding rows together, the oracle for a batch).
-    NOTE: "survival" compares exactly: the CDF widened to float64 against tau as given (a tau rounded to
-    float32 would turn 1 + 2**-30 into 1.0 and let a CDF of 1.0 exit early). "hf" compares as HF does, a
-    model-dtype tensor against a Python float, and torch first rounds tau to the tensor's dtype: in
-    bfloat16, 0.7 becomes 0.69921875 and 1.001 becomes 1.0."""
+    """The exit rule (Contract §3): gates (n, j) of j <= R loops -> exit loops
+    (n,) long, the first r >= min_loops with CDF_r >= tau (R: none or tau None;
+    0: loops 1..j do not decide). Elementwise: batch-invariant."""
+    # NOTE: why: README, Contract, "Derivations" (exit_loops)
     n, j = gate_logits.shape
     if tau is None or j == 0:
         return torch.full((n,), R if j >= R else 0, dtype=torch.long, device=gate_logits.device)
-    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)  # (n, j)
+    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
     hit = cdf >= tau  # (n, j) bool; for "hf" this is HF's own comparison
     hit[:, : min_loops - 1] = False  # no exit before min_loops
     if j == R:
         hit[:, R - 1] = True  # the last loop always exits
-    first = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (n, 1) the first loop that exits, 0-based
-    return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0 where no loop exits
+    first = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (n, 1) 0-based
+    return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0: none exits
 
 
-# Exit policies: how a deciding position's exit loop is chosen. "threshold" (the default) is the rule above,
-# a function of the gates: a step's log-prob is its token's, and the gate learns only in the warm start.
-# "sampled" draws the exit loop from the exit distribution: the exit is an action, a step's log-prob is
-# log p(exit = e) + log pi(token | loop e), and GRPO trains how deeply the model thinks as well as what it says.
+# "threshold": the rule above. "sampled": the exit is drawn, an action; a step's
+# log-prob is log p(e) + log pi(token | loop e): GRPO trains how deep to think.
 EXIT_POLICIES = ("threshold", "sampled")
 
 
-def uniform(gen: torch.Generator) -> torch.Tensor:
-    """The next draw of a sequence's generator: a float64 uniform in [0, 1), on the host."""
-    return torch.rand((), generator=gen, dtype=torch.float64)
+def uniforms(gens: list[torch.Generator], device) -> torch.Tensor:
+    """Each generator's next draw, a float64 in [0, 1) drawn on the host: (n,)."""
+    return torch.stack([torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]).to(device)
 
 
 def sample_exits(g: torch.Tensor, r: int, R: int, min_loops: int, gens: list[torch.Generator]) -> torch.Tensor:
-    """The sampled exit policy's decisions after loop r of n deciding positions: (n,) long, r (exit now) or 0.
-
-    g (n,): the positions' loop-r gate logits (model dtype); gens: each position's sequence generator. Before
-    min_loops: no exit and no draw. At R: exit, no draw. Else one uniform u from each generator, and exit iff
-    u < lam_r, lam_r = sigmoid(g) in float32 (float64 for a float64 model), each element by the same kernel
-    (`sigmoid_elementwise`). So the exit loop is drawn from
-        p(r) = lam_r prod_{min_loops <= j < r} (1 - lam_j)   (min_loops <= r < R),
-        p(R) = prod_{min_loops <= j < R} (1 - lam_j),         p(r) = 0 for r < min_loops:
-    Ouro's exit distribution (its training objective weights loop r's loss by p(r)) conditioned on exiting
-    at min_loops or later (the gates of loops before min_loops do not matter); with min_loops = 1, p(r) itself.
-    """
+    """The sampled exit policy after loop r: (n,) long, r (exit now) or 0.
+    g (n,): the deciding positions' loop-r gates; gens: their generators.
+    Before min_loops: stay; at R: exit; else exit iff u < lam (acc_dtype)."""
+    # NOTE: why: README, Contract, "Derivations" (sample_exits)
     if r < min_loops or r == R:
         return torch.full(g.shape, 0 if r < min_loops else R, dtype=torch.long, device=g.device)
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
-    u = torch.stack([uniform(gen) for gen in gens]).to(g.device)  # (n,)
-    return torch.where(u < lam.double(), r, 0)
+    return torch.where(uniforms(gens, g.device) < lam.double(), r, 0)
 
 
 def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int = 1) -> torch.Tensor:
-    """log p(exit = e) under the sampled exit policy (`sample_exits`), differentiable in the gates.
-
-    gate_logits (..., R) in the model dtype (the gates of loops after e are never read); exits (...) long,
-    1..R, 0 where there is no token -> (...) float32 (float64 for a float64 model):
-        log p(e) = sum_{min_loops <= j < e} log(1 - lam_j) + [e < R] log lam_e,
-    -inf where e < min_loops (the policy never exits there), 0 where exits is 0.
-    NOTE: the ONE place this value is computed: the rollout records it, the replay recomputes it and the
-    teacher-forced forward differentiates it, each on a (B, N, R) tensor of the same shape, so the same
-    gates give the same bits. log(1 - lam) is logsigmoid(-g) and log lam is logsigmoid(g) (finite where
-    1 - sigmoid(g) rounds to 0); logsigmoid gave every element the same bits whatever the tensor's length
-    (measured on this CPU build; the invariant-numerics tests would catch a change). The terms are added
-    loop by loop with `where`, never multiplied by a mask (0 * -inf is NaN)."""
+    """log p(exit = e) under `sample_exits`, differentiable: gates (..., R),
+    exits (...) long (0: no token, log p 0) -> (...) acc_dtype, the sum of
+    log(1 - lam_j) for min_loops <= j < e and log lam_e if e < R.
+    NOTE: the ONE place this is computed (rollout, replay, teacher forcing)."""
+    # NOTE: why: README, Contract, "Derivations" (exit_logprob)
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -478,16 +443,12 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
     return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
 
 
-# --- KV cache and calls (a plain object with a loop axis; the caller owns positions) ----------------
-
-
+# --- KV cache and calls (the caller owns positions) --------------------------
 @dataclass
 class LoopCache:
-    """Everything a looped model remembers about the positions it has computed.
-
-    k, v: [loop][layer] (B, KVH, T, D) keys (after RoPE) and values; h (B, T, C): each position's latest
-    loop output, the input of its next loop; depth (B, T) long: how many loops each position has done.
-    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r; that is the whole bookkeeping."""
+    """k, v: [loop][layer] (B, KVH, T, D), K after RoPE; h (B, T, C): each
+    position's latest loop output; depth (B, T) long: the loops it has done.
+    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
 
     k: list[list[torch.Tensor]]
     v: list[list[torch.Tensor]]
@@ -497,48 +458,48 @@ class LoopCache:
     @classmethod
     def empty(cls, model: LoopedLM, B: int, T: int) -> "LoopCache":
         cfg, dt, dev = model.config, model.dtype, model.device
-        kv = lambda: torch.zeros(B, cfg.num_key_value_heads, T, cfg.head_dim, dtype=dt, device=dev)  # noqa: E731
-        return cls(
-            k=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
-            v=[[kv() for _ in range(cfg.num_hidden_layers)] for _ in range(cfg.total_ut_steps)],
-            h=torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev),
-            depth=torch.zeros(B, T, dtype=torch.long, device=dev),
-        )
+        L, R, KVH, D = cfg.num_hidden_layers, cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
+        kv = lambda: torch.zeros(B, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
+        k = [[kv() for _ in range(L)] for _ in range(R)]
+        v = [[kv() for _ in range(L)] for _ in range(R)]
+        h = torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev)
+        return cls(k, v, h, torch.zeros(B, T, dtype=torch.long, device=dev))
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (dst, src): sequence dst's cache becomes sequence src's, all of it (`shared_prefix`)."""
-        dst, src = torch.tensor(pairs, dtype=torch.long, device=self.h.device).T  # (n,) each
-        for t in itertools.chain(*self.k, *self.v, (self.h, self.depth)):
-            t[dst] = t[src]
+        """For each (dst, src): sequence dst's whole cache becomes src's."""
+        dst, src = torch.tensor(pairs, device=self.h.device).T  # (n,) each
+        for per_layer in self.k + self.v:
+            for t in per_layer:
+                t[dst] = t[src]
+        self.h[dst] = self.h[src]
+        self.depth[dst] = self.depth[src]
 
 
 @dataclass
 class Call:
-    """One pass of some rows (sequence, position) through all L layers of one loop. `readout`: the rows (in
-    row order) read out in this call, the positions that exit at this loop and sample their next token."""
+    """Some rows (b, p) through all L layers of one loop. readout: the rows that
+    exit here and sample a token. share: (dst, src) pairs; after the call,
+    sequence dst's cache becomes src's (a group's prompt, once: `shared_prefix`)."""
 
     loop: int
     rows: list[tuple[int, int]]
     readout: list[tuple[int, int]] = field(default_factory=list)
-    share: list[tuple[int, int]] = field(default_factory=list)  # after the rows: (dst, src) cache copies
+    share: list[tuple[int, int]] = field(default_factory=list)
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str):
-    """Execute one call; the ONE function through which rollouts, replays and teacher forcing compute.
-
-    tokens (B, T) long; the rows' input is their embedding at loop 1, else their loop r-1 output from
-    `cache.h`. Updates the cache (K/V, h, depth; then the `share` copies); returns the rows' output h_r (n, C)
-    and the rows on the device (`Rows`). NOTE: same call + same cache + same numerics => same bits: replay
-    exactness rests on this."""
+    """The ONE function rollouts, replays and teacher forcing compute with:
+    updates the cache, returns h_r (n, C) and the Rows. tokens (B, T) long.
+    NOTE: same call, cache and numerics => same bits: replay rests on this."""
     r, rows = call.loop, Rows.of(call.rows, tokens.device)
     seq, pos = rows.seq, rows.pos
-    # The invariants deferral keeps: every row arrives done with exactly loop r-1, and every K/V it attends to
-    # (its sequence, positions <= its own, loop r) is computed, earlier or by a row of this call before it.
-    late = (cache.depth[seq, pos] != r - 1).sum()  # rows not done with exactly loop r-1
+    # Deferral's invariant: rows done with loop r-1; the K/V they need exist.
+    late = (cache.depth[seq, pos] != r - 1).sum()
     x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
     cache.depth[seq, pos] = r
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.last[:, None]  # (Bc, T)
-    if late + (needed & (cache.depth[rows.seqs] < r)).sum():  # one read back per call
+    missing = (needed & (cache.depth[rows.seqs] < r)).sum()
+    if late + missing:  # one read back per call
         raise ScheduleError(
             f"call at loop {r}: a row is not done with loop {r - 1}, or attends to a K/V never computed"
         )
@@ -550,162 +511,162 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
 
 
 class ExactKV:
-    """The KV policy of the method (Contract §4): every K/V a token attends to is the real value at that
-    loop; a deferred position's skipped loops are caught up when a later token needs them. Its three hooks
-    are where another policy acts: `LastExitedKV` (below the banner, beside the oracle, registered in
-    KV_POLICIES there) models engines that copy K/V on early exit, only so that such engines can be checked."""
+    """The method's KV policy (Contract §4): every K/V attended to is exact.
+    Others override its hooks (`LastExitedKV`, below the banner)."""
 
-    prefill_all_loops = False  # does the prefill run every loop of the prompt, even in deferred mode?
+    prefill_all_loops = False  # does the prefill run every loop of the prompt?
 
     def after_readout(self, cache: LoopCache, call: Call, first: torch.Tensor) -> None:
-        """After a call's readout rows have sampled (first (B,): each prompt's last position)."""
+        """After a call's readout sampled; first (B,): the prompts' last positions."""
 
     def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
-        """Does a teacher-forced pass compute loop r of position p (exit loop e when p > first)? Always."""
+        """Does teacher forcing run loop r of p (exit e; first: the prompt's end)? Yes."""
         return True
 
 
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
-# --- The policy: one value for its settings; log-probabilities, the readout step, sampling ----------
+# --- The policy: log-probabilities, the readout, sampling --------------------
 
 MODES = ("dense", "deferred")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What a rollout samples and how it computes it: one value, checked once when built, stored once (a
-    rollout and its schedule share it) and passed as one argument. `mode`, `numerics` change the work and
-    the bits, never the distribution (Contract §4); the rest define the distribution (Contract §3)."""
+    """What a rollout samples and how, checked once. `mode` and `numerics` change
+    the work and bits, never the distribution (Contract §4); the rest define it."""
 
-    mode: str = "deferred"  # "dense": every position runs all R loops; "deferred": skipped loops wait until needed
-    numerics: str = "fast"  # "fast" | "invariant" (every row alone: bits independent of batching)
+    mode: str = "deferred"  # MODES: "dense" runs all R loops; "deferred" waits
+    numerics: str = "fast"  # NUMERICS; "invariant": every row alone
     temperature: float = 1.0  # 0: greedy
-    exit_threshold: float | None = None  # tau; None: the model config's early_exit_threshold
+    exit_threshold: float | None = None  # tau; None: the config's
     exit_rule: str = "survival"  # EXIT_RULES
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
-    top_k: int = 0  # sample among the k most likely tokens only (0: all)
-    top_p: float = 1.0  # ... and among the fewest whose probability reaches top_p (1: all)
-    stop_ids: tuple[int, ...] = ()  # a sequence that samples one of these stops (EOS, a chat model's end of turn)
+    top_k: int = 0  # only the k most likely tokens (0: all)
+    top_p: float = 1.0  # ... the fewest whose probability reaches top_p
+    stop_ids: tuple[int, ...] = ()  # sampling one ends the sequence
 
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
         for name, allowed in choices.items():
             if (v := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {v!r}")
-        if not (
-            0 <= self.temperature < math.inf and self.min_loops >= 1 and 0 <= (self.exit_threshold or 0) < math.inf
-        ):
-            raise ValueError(
-                f"need a finite temperature >= 0, min_loops >= 1 and a finite threshold >= 0 or None: {self}"
-            )
+        finite = 0 <= self.temperature < math.inf and 0 <= (self.exit_threshold or 0) < math.inf
+        if not (finite and self.min_loops >= 1):
+            need = "a finite temperature >= 0, min_loops >= 1 and a finite threshold >= 0 or None"
+            raise ValueError(f"need {need}: {self}")
         if not (self.top_k >= 0 and 0 < self.top_p <= 1 and isinstance(self.stop_ids, tuple)):
             raise ValueError(f"need top_k >= 0, top_p in (0, 1] and stop_ids a tuple: {self}")
-        if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):  # NOTE: hf is a threshold rule's arithmetic
+        if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):
             raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam in float32")
         if (self.kv, self.mode) == ("last_exited", "dense"):
             raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit)")
 
 
 def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
-    """The policy, the distribution sampled: logits (n, V) -> log-probs (n, V) float32 (float64 for a float64 model).
-    x = float32(logits) / temperature (greedy: 1); then vLLM's top-k, top-p (its `apply_top_k_top_p`; Contract §3):
-    keep x >= its k-th largest, drop the least likely while their total is <= 1 - top_p; dropped: -inf."""
+    """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype.
+    x = logits / temperature, then vLLM's top-k, top-p (Contract §3): keep x >=
+    its k-th largest, drop the least likely while their total is <= 1 - top_p."""
     t = policy.temperature if policy.temperature > 0 else 1.0
 
     def kept(z: torch.Tensor) -> torch.Tensor:
         x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
-        if policy.top_k or policy.top_p < 1:
-            s = x.sort(dim=-1).values  # (n, V) ascending, as vLLM sorts
-            cut = s[:, -min(policy.top_k or s.shape[1], s.shape[1]) :][:, :1]  # (n, 1) the k-th largest (ties stay)
-            if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic; the top token always stays
-                cum = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1).cumsum(dim=-1)  # (n, V)
-                cut = s.gather(1, (cum <= 1 - policy.top_p).sum(1, keepdim=True).clamp(max=s.shape[1] - 1))
-            x = x.masked_fill(x < cut, -math.inf)  # (n, V) the kept tokens renormalise below
+        if not policy.top_k and policy.top_p == 1:
+            return torch.log_softmax(x, dim=-1)
+        s = x.sort(dim=-1).values  # (n, V) ascending, as vLLM sorts
+        V = s.shape[1]
+        k = min(policy.top_k, V) if policy.top_k else V
+        cut = s[:, V - k : V - k + 1]  # (n, 1) the k-th largest; ties stay
+        if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic
+            probs = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1)  # (n, V)
+            low = probs.cumsum(dim=-1) <= 1 - policy.top_p  # (n, V) to drop
+            dropped = low.sum(1, keepdim=True).clamp(max=V - 1)  # (n, 1)
+            cut = s.gather(1, dropped)  # the top token always stays
+        x = x.masked_fill(x < cut, -math.inf)  # (n, V); the kept renormalise
         return torch.log_softmax(x, dim=-1)
 
     return by_rows(numerics, kept, logits)
 
 
 def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
-    """The readout step of a call: the rows in `call.readout` (in row order) through lm_head and the policy:
-    h (n, C), the call's output -> log-probs (n_out, V). NOTE: the rollout (which samples from these rows) and
-    the replay (which scores the recorded tokens with them) both call this, after the same `execute_call`: that
-    is why their log-probs agree bit for bit."""
+    """h (n, C), a call's output -> log-probs (n_out, V) of its `readout` rows.
+    NOTE: the rollout samples from these, the replay scores with them, both
+    after the same `execute_call`: hence their log-probs agree bit for bit."""
     index = {row: i for i, row in enumerate(call.rows)}
     rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
-def deciding(loop: int, seq: torch.Tensor, pos: torch.Tensor, first: torch.Tensor, exits: torch.Tensor) -> torch.Tensor:
-    """Which rows (seq, pos) of a call at `loop` decide an exit: (n,) bool. The ONE statement of that rule, used by
-    the rollout (which decides), the replay and the teacher-forced pass (which recompute the deciding gates:
-    sampled exits' log-probs need them) and the oracle (which checks an engine's decisions).
-
-    Row (b, p) produces completion token tok_index = p - first[b] (first: each prompt's last position), whose exit
-    loop is exits[b, tok_index] ((B, N) long; 0: no such token, R + 1: undecided, as the rollout keeps it). The row
-    decides while loop <= that exit loop. So a prompt position, a position riding along past its exit, and a dense
-    row computing loops after its exit decide nothing."""
-    tok_index = pos - first[seq]  # (n,)
+def deciding(
+    loop: int, seq: torch.Tensor, pos: torch.Tensor, prompt_end: torch.Tensor, exits: torch.Tensor
+) -> torch.Tensor:
+    """Which rows (seq, pos) (n,) of a call at `loop` decide an exit: (n,) bool.
+    prompt_end (B,): each prompt's last position, which produces completion
+    token 0: row (b, p) produces token p - prompt_end[b]. exits (B, N) long:
+    each token's exit loop (0: none). A row decides while loop <= that.
+    The ONE statement of the rule, for both sides: the rollout marks the token
+    being sampled R + 1 (undecided: its row decides until it exits), the replay
+    passes the recorded exits (loops 1..e decide again: sampled exits' log-probs
+    need those gates). Prompt rows and rows past their exit decide nothing."""
+    tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     return (tok_index >= 0) & (loop <= exits[seq, tok_index.clamp(min=0)])
 
 
 def sequence_seed(seed: int, index: int) -> int:
-    """A 63-bit seed from (run seed, global sequence index): a sequence's draws never depend on its batch."""
-    return int.from_bytes(hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()[:8], "little") >> 1
+    """A 63-bit seed of (run seed, global sequence index): batch-independent."""
+    digest = hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def sample_tokens(logp: torch.Tensor, u: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    """One draw from each (V,) log-prob row of logp (n, V): inverse CDF with the row's uniform u (n,) float64;
-    argmax when greedy (u None). Returns (n,) long, always a kept token."""
+    """A draw from each row of logp (n, V) by inverse CDF at u (n,) float64;
+    argmax when greedy (u None). (n,) long, always a kept token."""
     if temperature == 0:
         return logp.argmax(dim=1)
-    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on this CPU each row alone, in order
+    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU each row alone
     total = cdf[:, -1:].contiguous()  # (n, 1)
     drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
-    return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]  # never past the last kept token
+    return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]  # never past the last kept
 
 
-# --- Rollouts ---------------------------------------------------------------------------------------
-
-
+# --- Rollouts ---------------------------------------------------------------
 @dataclass
 class Schedule:
-    """The ordered calls of a rollout (shared prompt and prefill included), plus what executes them again."""
+    """A rollout's ordered calls (its shared prompt's included) and settings."""
 
     calls: list[Call]
-    policy: Policy  # the rollout's own (mode, numerics, kv, exit rule and policy, ...)
+    policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
 
-    def row_loops(self) -> int:  # total (row, loop) units of work: the sum of the calls' row counts
+    def row_loops(self) -> int:  # (row, loop) units of work
         return sum(len(call.rows) for call in self.calls)
 
 
 @dataclass
 class Rollout:
-    """Results are data: everything downstream (replay, GRPO, the oracle) reads these fields."""
+    """Results are data: the replay, GRPO and the oracle read these fields."""
 
     prompts: list[list[int]]
-    completions: list[list[int]]  # sampled ids, EOS included when it was sampled
-    exit_loops: list[list[int]]  # 1-based exit loop of the position that produced each completion token
-    logprobs: torch.Tensor  # (B, N) float32 (float64 for a float64 model), 0 where mask is False
+    completions: list[list[int]]  # sampled ids, a sampled stop id included
+    exit_loops: list[list[int]]  # each completion token's exit loop (1-based)
+    logprobs: torch.Tensor  # (B, N) acc_dtype; 0 where mask is False
     mask: torch.Tensor  # (B, N) bool
-    schedule: Schedule | None  # None for records read from a file (the oracle teacher-forces them)
-    policy: Policy  # the policy that sampled (the schedule's own)
-    exit_logprobs: torch.Tensor  # (B, N) like logprobs: log p(exit = e) per token; 0 for "threshold" (not drawn)
+    schedule: Schedule | None  # None for records read from a file
+    policy: Policy  # the sampler's (the schedule's own)
+    exit_logprobs: torch.Tensor  # (B, N) log p(exit = e); 0 for "threshold"
 
     def tokens(self, device=None) -> torch.Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
-        T = max(len(prompt) + len(c) for prompt, c in zip(self.prompts, self.completions))
-        rows = [prompt + c + [0] * (T - len(prompt) - len(c)) for prompt, c in zip(self.prompts, self.completions)]
-        return torch.tensor(rows, dtype=torch.long, device=device)  # (B, T)
+        seqs = [prompt + c for prompt, c in zip(self.prompts, self.completions)]
+        T = max(len(s) for s in seqs)
+        return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     def select(self, seqs: list[int]) -> Rollout:
-        """Sequences `seqs` alone, with no schedule (its calls batch every sequence): teacher forcing's input."""
+        """Sequences `seqs` alone, without the schedule: teacher forcing's input."""
         lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
         tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
         return dataclasses.replace(self, **lists, **tensors, schedule=None)
@@ -717,13 +678,16 @@ def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tens
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """Sequences with the same prompt (a GRPO group) share it: the group's first computes every loop of the prompt's
-    positions before its last, and the last call copies its cache to the others (`share`). A prompt no other sequence
-    has is left to the deferral rule. Rollouts, replays and teacher forcing all start with these calls."""
-    src = [prompts.index(prompt) for prompt in prompts]  # each sequence's leader: the first with its prompt
-    share = [(b, a) for b, a in enumerate(src) if a != b]  # (dst, src): the cache copies
-    rows = [(b, p) for b in sorted({a for _, a in share}) for p in range(len(prompts[b]) - 1)]  # the leaders' prompts
-    return [Call(r, rows, share=share if r == R else []) for r in range(1, R + 1)] if rows and share else []
+    """A rollout's (or replay's) first calls: a GRPO group's first sequence runs
+    every loop of the prompt but its last position, and the last call copies its
+    cache to the group's others (`Call.share`)."""
+
+    leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
+    share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
+    rows = []  # the leaders' prompt positions but the last
+    for a in sorted({a for _, a in share}):
+        rows += [(a, p) for p in range(len(prompts[a]) - 1)]
+    return [Call(r, rows, share=share if r == R else []) for r in range(1, R + 1)] if rows else []
 
 
 @torch.no_grad()
@@ -736,123 +700,111 @@ def rollout(
     seed: int = 0,
     sequence_ids: list[int] | None = None,
 ) -> Rollout:
-    """Sample completions for a batch of prompts of different lengths under `policy`; record everything.
+    """Sample completions of `prompts` under `policy`; record everything.
 
-    mode "dense": every position runs all R loops; the exit only picks the readout loop.
-    mode "deferred": a position stops at its exit loop; its deeper loops run later, only when a later
-    token of its sequence needs them. Both compute the same policy (Contract §4).
-
-    The one rule that generates both schedules: at every step, for loop r = 1, 2, ..., a sequence *takes
-    part* in loop r (dense: always; deferred: while its newest position has not exited), and a sequence
-    that takes part brings *every* position up to its newest that has finished exactly r-1 loops. In
-    dense mode those are only the new positions; in deferred mode they include earlier positions that
-    exited before loop r and now ride along.
-
-    One sequence, a 3-token prompt (positions 0-2), R = 3, four new tokens whose positions exit at
-    loops 1, 3, 1, 2. Each cell is the number of the call that computed that loop of that position
-    (`schedule_grid`, below the banner; README, "Dense and deferred, drawn", prints it); '·' was never
-    computed:
+    One rule makes both modes' schedules: each step, for r = 1, 2, ..., a
+    sequence *takes part* in loop r (dense: always; deferred: until its newest
+    position exits) and brings *every* position up to its newest that has done
+    exactly r-1 loops: dense, the newest; deferred, also earlier positions that
+    exited before loop r, riding along. Same policy (Contract §4). A 3-token
+    prompt, R = 3, new tokens exiting at 1, 3, 1, 2 (a cell: the call; `schedule_grid`):
 
         dense                      deferred
         pos   L1  L2  L3           pos   L1  L2  L3
           0    0   1   2             0    0   2   3
           1    0   1   2             1    0   2   3
           2    0   1   2             2    0   2   3     <- exits at loop 1 in call 0
-          3    3   4   5             3    1   2   3     <- needs loops 2-3: 0-2 ride along in calls 2, 3
-          4    6   7   8             4    4   6   ·     <- exits at loop 1; loop 2 rides along in call 6
-          5    9  10  11             5    5   6   ·     <- exits at loop 2: loop 3 is never needed
+          3    3   4   5             3    1   2   3     <- needs loops 2-3: 0-2 ride along
+          4    6   7   8             4    4   6   ·     <- exits at 1; loop 2 rides in call 6
+          5    9  10  11             5    5   6   ·     <- exits at 2: loop 3 never needed
 
-    Dense makes 12 calls, deferred 7, for the same tokens and log-probs (bit for bit under invariant
-    numerics). NOTE: riding along is safe because a position's loop-r computation reads only loop-r K/V
-    of earlier positions, which by the same rule were brought up to loop r no later than in this call.
+    Same tokens, 12 calls or 7. NOTE: riding along is safe: loop r of a position
+    reads only earlier positions' loop-r K/V, brought up to r no later than now."""
+    # NOTE: why: README, Contract, "Derivations" (rollout)
 
-    Returns a Rollout (logprobs (B, N) float32, float64 for a float64 model). Sequence b draws from its own
-    generator seeded by (seed, sequence_ids[b]) (default: b). The threshold is the policy's, else the config's
-    (None there: every position exits at R); sampled exits are drawn instead (`sample_exits`), and their
-    log-probs recorded (`exit_logprob`).
-    NOTE: a sequence's generator serves its exit draws and its token draws in one fixed order: each step,
-    one uniform per loop that decides (loop order, newest position), then its token's. Dense and deferred
-    decide the newest position's loops in the same order, so they draw the same numbers.
-    """
-    R, B, N, numerics, dev = model.config.total_ut_steps, len(prompts), max_new_tokens, policy.numerics, model.device
-    tau = model.config.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
-    kv, T = KV_POLICIES[policy.kv], max(len(prompt) for prompt in prompts) + N
-    if not all(prompts) or T > model.config.max_position_embeddings or policy.min_loops > R:
+    cfg, dev, numerics = model.config, model.device, policy.numerics
+    R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
+    T = max(len(prompt) for prompt in prompts) + N
+    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R:
         raise ValueError(f"need non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R")
-    gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in (sequence_ids or range(B))]
+    tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
+    kv = KV_POLICIES[policy.kv]
+    gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
+    # The rollout's state, all of it (t: a completion token):
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
-    cache, calls = LoopCache.empty(model, B, T), shared_prefix(prompts, R)
-    for call in calls:  # a group's prompt, once: its positions before the last are done with every loop
-        execute_call(model, call, tokens, cache, numerics)
-    # The rollout's state, on the model's device: per sequence, per completion token, per loop.
-    first = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,) the position producing token 0
-    length = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled so far
+    cache = LoopCache.empty(model, B, T)
+    calls = shared_prefix(prompts, R)  # the schedule so far
+    prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
+    length = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled
     active = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) still sampling
-    completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) the sampled ids
-    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) exit loops; 0: no token, R + 1: undecided
+    completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
+    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: no token
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
-    gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R) the gate logits that decided
-    stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)  # (n_stop,)
+    gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
     batch, positions = torch.arange(B, device=dev), torch.arange(T, device=dev)
-    for step in range(N):  # every active sequence samples one token from its newest position (step 0: prefill)
-        newest, tok_index = first + length, length.clamp(max=N - 1)  # (B,) the newest position, its token
-        exits[batch, tok_index] = torch.where(active, R + 1, exits[batch, tok_index])  # active: undecided
+    stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)
+    for call in calls:  # a group's prompt, once
+        execute_call(model, call, tokens, cache, numerics)
+    for step in range(N):  # each active sequence samples a token (0: prefill)
+        if not active.any():
+            break  # every sequence has stopped
+        newest = prompt_end + length  # (B,) each sequence's newest position
+        t_new = length.clamp(max=N - 1)  # (B,) the token it produces
+        exits[batch, t_new] = torch.where(active, R + 1, exits[batch, t_new])  # undecided
         runs_all = policy.mode == "dense" or (step == 0 and kv.prefill_all_loops)
         for r in range(1, R + 1):
-            # 1) Who takes part in loop r: dense, every active sequence; deferred, the ones still undecided.
-            part = active & (runs_all | (exits[batch, tok_index] > R))  # (B,)
-            # 2) The deferral rule (Contract §4): a sequence that takes part brings every position up to its
-            #    newest that has done exactly r-1 loops. Dense: only the newest. Deferred: also earlier
-            #    positions that exited before loop r, riding along, in position order.
-            todo = (cache.depth == r - 1) & (positions <= newest[:, None]) & part[:, None]  # (B, T)
+            # 1) Who takes part: dense, all active sequences; deferred, undecided.
+            part = active & (runs_all | (exits[batch, t_new] > R))  # (B,)
+            # 2) Their positions up to the newest done with r-1 loops (§4).
+            todo = (cache.depth == r - 1) & (positions <= newest[:, None]) & part[:, None]
             call = Call(r, [tuple(row) for row in todo.nonzero().tolist()])
-            if not call.rows:
-                break  # (only at loop 1) every sequence has stopped
             h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
             calls.append(call)
-            # 3) The exit decisions of the deciding rows (newest positions still undecided), all at once: each
-            #    by its own gates and the rule (threshold), or a draw from its own generator (sampled).
-            dec = [i for i, d in enumerate(deciding(r, rows.seq, rows.pos, first, exits).tolist()) if d]
-            if not dec:
-                continue  # dense: every newest position has exited; it computes loop r for the K/V
-            i_dec = torch.tensor(dec, device=dev)
-            b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
-            t = tok_index[b]  # (n_dec,) and the completion tokens they produce
-            gates[b, t, r - 1] = g = model.gate_logits(h[i_dec], numerics)  # (n_dec,)
+            # 3) Undecided newest positions decide: by the rule, or by a draw.
+            dec = deciding(r, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+            if not dec.numel():
+                continue  # dense, all exited: loop r is for the K/V
+            b = rows.seq[dec]  # (n_dec,) the deciding rows' sequences
+            t = t_new[b]  # (n_dec,) and the tokens they produce
+            g = model.gate_logits(h[dec], numerics)  # (n_dec,)
+            gates[b, t, r - 1] = g
             if policy.exit_policy == "sampled":
-                e = sample_exits(g, r, R, policy.min_loops, [gens[call.rows[i][0]] for i in dec])  # (n_dec,)
+                e = sample_exits(g, r, R, policy.min_loops, [gens[i] for i in b.tolist()])
             else:
-                e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)  # (n_dec,)
-            exits[b, t] = torch.where(e > 0, e, R + 1)
-            call.readout = [call.rows[i] for i, exited in zip(dec, (e > 0).tolist()) if exited]
-            if call.readout:  # 4) Read out the rows that exit at this loop and sample each one's next token.
+                e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)
+            exits[b, t] = torch.where(e > 0, e, R + 1)  # 0: still undecided
+            call.readout = [call.rows[i] for i in dec[e > 0].tolist()]
+            # 4) The rows exiting at loop r read out; each samples its next token.
+            if call.readout:
                 logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-                readers = [b for b, _ in call.readout]
-                u = None if policy.temperature == 0 else torch.stack([uniform(gens[b]) for b in readers])
-                tok = sample_tokens(logp, None if u is None else u.to(dev), policy.temperature)  # (n_out,)
-                b = torch.tensor(readers, device=dev)
-                t = tok_index[b]  # (n_out,) the tokens they sample
-                completions[b, t], logprobs[b, t] = tok, logp.gather(1, tok[:, None])[:, 0]
-                tokens[b, newest[b] + 1] = tok  # the next step's newest position, unless the sequence stops
+                readers = [seq for seq, _ in call.readout]
+                u = uniforms([gens[i] for i in readers], dev) if policy.temperature > 0 else None
+                tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
+                b = torch.tensor(readers, device=dev)  # (n_out,)
+                t = t_new[b]  # (n_out,)
+                completions[b, t] = tok
+                logprobs[b, t] = logp.gather(1, tok[:, None])[:, 0]
+                tokens[b, newest[b] + 1] = tok  # the next newest position's input
                 length[b] = t + 1
-                kv.after_readout(cache, call, first)
-            if not runs_all and len(call.readout) == len(dec):
-                break  # deferred: every newest position has exited; deeper loops wait until needed
-        if not call.rows:
-            break
-        # 5) Sequences that sampled a stop id or reached N stop (their last token never enters the model).
-        active &= (length < N) & ~torch.isin(completions[batch, tok_index], stop_ids)  # (the stopped: no matter)
-    lengths, mask = length.tolist(), (positions[:N] < length[:, None]).cpu()  # (B, N)
-    exit_lp = torch.zeros_like(logprobs)  # (B, N) the threshold policy's exits are not drawn: log p = 0
-    if policy.exit_policy == "sampled":  # 6) the exits' log-probs, from the gates that decided them, as the replay
+                kv.after_readout(cache, call, prompt_end)
+            if not runs_all and len(call.readout) == dec.numel():
+                break  # deferred, all exited: deeper loops wait
+        # 5) A stop id or N tokens stop a sequence (its last token never runs).
+        active &= (length < N) & ~torch.isin(completions[batch, t_new], stop_ids)
+    # 6) The exits' log-probs, from the deciding gates, as the replay's.
+    exit_lp = torch.zeros_like(logprobs)  # threshold: not drawn, log p = 0
+    if policy.exit_policy == "sampled":
         exit_lp = exit_logprob(gates, exits, policy.min_loops)
+    lengths = length.tolist()
+    mask = (positions[:N] < length[:, None]).cpu()  # (B, N)
     completions = [c[:n] for c, n in zip(completions.tolist(), lengths)]
     exit_list = [e[:n] for e, n in zip(exits.tolist(), lengths)]
-    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), [list(prompt) for prompt in prompts]
+    schedule = Schedule(calls, policy, str(model.dtype), R)
+    prompts = [list(prompt) for prompt in prompts]
     return Rollout(prompts, completions, exit_list, logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
-# --- Learner log-probabilities ----------------------------------------------------------------------
+# --- Learner log-probabilities ----------------------------------------------
 
 
 def execute_schedule(
