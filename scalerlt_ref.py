@@ -2048,6 +2048,97 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
     )
 
 
+# --- Memory: the plan of one GRPO step, part by part (bench and train print it) ---------------------
+
+
+def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
+    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth."""
+    b = dtype.itemsize
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
+    return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
+
+
+def _fmt_bytes(n: float) -> str:
+    return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
+
+
+# Bytes autograd keeps per token, as functions of the element size e (float32 4, bfloat16 2), fitted to
+# `saved_tensors_hooks` counts (the test keeps the check): per (layer, loop), and once per token.
+_SAVED = {
+    "checkpointed": lambda e, C, I, kvw, HT: (5.2 * e + 7.9) * C + 3.4 * e * kvw,  # the checkpoints' inputs
+    "dense": lambda e, C, I, kvw, HT: (13.5 * e + 5) * C + 4.6 * e * I + (4 + 3 * (e < 4)) * HT,  # + attention
+}
+
+
+def memory_plan(
+    cfg: Config,
+    dtype: torch.dtype,
+    *,
+    sequences: int,
+    prompt_len: int,
+    new_tokens: int,
+    rollout_batch: int = 0,
+    micro_batch: int = 0,
+    grad_checkpoint: bool = False,
+    beta: float = 0.0,
+    rounding: str = "stochastic",
+    device: str = "cpu",
+) -> dict[str, int]:
+    """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as
+    `train` runs it: the state that lives through it, then each phase's own peak on top of the state.
+
+    State: weights; bfloat16: float32 masters, the exporter's start copy (and residuals for error-feedback);
+    AdamW's two moments (float32); gradients; the KL reference (beta > 0). Phases: the rollout (and the
+    replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the teacher-
+    forced cache, a layer's attention scores in flight; the optimizer step: the masters' float32 gradients in
+    place of the copy's, a few temporaries of the largest weight (on a GPU, AdamW's foreach ones of every
+    weight). Returns every part, each phase and "peak"."""
+    sizes, e, cuda = (
+        [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()],
+        dtype.itemsize,
+        "cuda" in str(device),
+    )
+    P, largest = sum(sizes), max(sizes)  # AdamW and the export make temporaries one weight at a time (CPU)
+    C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
+    T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
+    chunk = rollout_batch if 0 < rollout_batch < sequences else sequences
+    mb = micro_batch if 0 < micro_batch < sequences else sequences
+    kv = kv_cache_bytes_per_token(cfg, dtype)["total"]
+    saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](
+        e, C, I, cfg.num_key_value_heads * cfg.head_dim, H * T
+    )
+    per_token = LR * saved + (5.5 * e + 17) * C  # every position; the readout's below, completion tokens only
+    plan = {
+        "weights": P * e,
+        "masters": 4 * P * low,
+        "start_copy": P * e * low,
+        "residuals": 4 * P * (low and rounding == "error-feedback"),
+        "adamw": 8 * P,
+        "gradients": P * e,
+        "kl_reference": P * e * (beta > 0),
+        "rollout_cache": chunk * T * kv,
+        "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
+        "step": 4 * P * low - P * e * low + 4 * P * cuda + 8 * largest,  # float32 gradients replace the copy's
+    }
+    state = sum(
+        plan[k] for k in ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
+    )
+    phases = {"state": state} | {k: state + plan[k] for k in ("rollout_cache", "learner", "step")}
+    return plan | {"phase_" + k: v for k, v in phases.items()} | {"peak": max(phases.values())}
+
+
+def plan_lines(plan: dict[str, int]) -> list[str]:
+    """A plan as three lines: the state's parts, each phase's peak, the step's peak."""
+    state = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
+    parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(plan[k])}" for k in state if plan[k])
+    phases = ", ".join(f"{k.replace('_', ' ')} +{_fmt_bytes(plan[k])}" for k in ("rollout_cache", "learner", "step"))
+    return [
+        f"state {_fmt_bytes(plan['phase_state'])} ({parts})",
+        f"on top of it: {phases}",
+        f"peak {_fmt_bytes(plan['peak'])}",
+    ]
+
+
 # --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ------
 
 REWARDS = ("strict", "lenient", "digits")
@@ -2185,7 +2276,7 @@ class MasterWeights:
     @torch.no_grad()
     def step(self) -> None:
         for m, c in zip(self.masters, self.copies):
-            m.grad = None if c.grad is None else c.grad.float()
+            m.grad, c.grad = None if c.grad is None else c.grad.float(), None  # one copy of the gradients at a time
         self.opt.step()
         for i, (m, c) in enumerate(zip(self.masters, self.copies)):
             m.grad = None
@@ -2394,6 +2485,38 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
     return model, tok, problems, opt, ref, state["step"] if state else 0
 
 
+def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: int, say: Callable) -> None:
+    """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
+    grpo, sequences = cfg.grpo(), cfg.prompts_per_step // world * cfg.group_size
+    plan = memory_plan(
+        model.config,
+        model.dtype,
+        sequences=sequences,
+        prompt_len=prompt_len,
+        new_tokens=cfg.max_new_tokens,
+        rollout_batch=cfg.rollout_batch,
+        micro_batch=grpo.micro_batch,
+        grad_checkpoint=grpo.grad_checkpoint,
+        beta=grpo.beta,
+        rounding=cfg.export_rounding,
+        device=model.device,
+    )
+    say(
+        f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: "
+        + "; ".join(plan_lines(plan))
+    )
+    if model.device.type != "cuda":
+        return
+    room = torch.cuda.mem_get_info(model.device)[0] + torch.cuda.memory_reserved(model.device)  # ours: in the state
+    if plan["peak"] > room:
+        lower = {"rollout_cache": "lower --rollout-batch", "learner": "lower --micro-batch, or add --grad-checkpoint"}
+        worst = max(("rollout_cache", "learner", "step"), key=lambda k: plan["phase_" + k])
+        hint = lower.get(worst, "the state does not fit: a smaller model, or more GPUs (torchrun)")
+        raise ValueError(
+            f"the step's memory plan peaks at {_fmt_bytes(plan['peak'])}; {model.device} has {_fmt_bytes(room)}: {hint}"
+        )
+
+
 def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft: dict | None = None) -> dict:
     """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords.
     Returns {"model", "tokenizer", "history"}."""
@@ -2401,6 +2524,7 @@ def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = N
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say, sft)
+    _plan_or_refuse(cfg, model, max(len(encode_problem(tok, p)[0]) for p in problems), dist["world"], say)
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
     if slow:
         say(slow)
@@ -3309,13 +3433,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**28) -> float:
     return 2 * nbytes / min(seconds[1:])  # copy 0 warms up (page faults)
 
 
-def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
-    """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth."""
-    b = dtype.itemsize
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers * cfg.total_ut_steps
-    return {"kv": kv, "h_and_depth": cfg.hidden_size * b + 8, "total": kv + cfg.hidden_size * b + 8}
-
-
 def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
     """Bytes of weights and K/V that a rollout's calls read: a lower bound on its memory traffic."""
     cfg, b = model.config, model.dtype.itemsize
@@ -3326,10 +3443,6 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
         Tk = max(p for _, p in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
         total += per_call + (head if c.readout else 0) + len({s for s, _ in c.rows}) * Tk * kv_position
     return total
-
-
-def _fmt_bytes(n: float) -> str:
-    return next((f"{n / s:.2f} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), f"{n:.0f} B")
 
 
 Measured = tuple[list[tuple[str, str]], dict]  # a measurement's table rows (what, text) and its summary figures
@@ -3550,6 +3663,21 @@ def cmd_bench(args) -> int:
             flush=True,
         )
 
+    for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
+        step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
+        mine = dict(
+            rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint
+        )
+        for what, settings in (("memory plan", mine), ("  without them", {})):
+            plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
+            print(f"  {dtype_name:<9} {what:<26} {'; '.join(plan_lines(plan))}", flush=True)
+    print(
+        f"  (the plan's step: {args.plan_sequences} x ({args.plan_prompt_len} + {args.plan_new_tokens}), "
+        f"--micro-batch {args.micro_batch}, --rollout-batch {args.rollout_batch}, "
+        f"{'' if args.grad_checkpoint else 'no '}--grad-checkpoint)",
+        flush=True,
+    )
+
     def report(dtype_name: str, part: Measured) -> None:  # each measurement's rows as soon as it is made
         measured.append((dtype_name, part))
         for what, text in part[0]:
@@ -3701,6 +3829,14 @@ class BenchFlags:
         within=(0.0, math.inf, "()"),
     )
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
+    plan_sequences: int = _flag(64, "the memory plan's GRPO step: sequences (one process)", within=(1, MAX_COUNT))
+    plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))
+    plan_new_tokens: int = _flag(1024, "the memory plan's new tokens", within=(1, MAX_COUNT))
+    micro_batch: int = _flag(1, "the memory plan's sequences per backward (0: the whole step)", within=(0, MAX_COUNT))
+    rollout_batch: int = _flag(
+        0, "the memory plan's sequences per rollout chunk (0: the whole step)", within=(0, MAX_COUNT)
+    )
+    grad_checkpoint: bool = _flag(True, "the memory plan with activation checkpointing (--no-grad-checkpoint: without)")
 
 
 def cmd_train(cfg: TrainConfig) -> int:
