@@ -880,22 +880,19 @@ def replay_chunks(model: LoopedLM, chunks: list[Rollout]) -> tuple[torch.Tensor,
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of every
-    sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops (exits are data)."""
+    sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = {b for call in calls[-1:] for pair in call.share for b in pair}  # their prompts are done
+    grouped = set()  # sequences whose prompt the shared prefix computed
+    for pair in calls[-1].share if calls else []:
+        grouped.update(pair)
     for r in range(1, loops + 1):
-        rows = [
-            (b, p)
-            for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops))
-            for p in range(len(prompt) - 1 if b in grouped else 0, len(prompt) + len(c) - 1)  # the last token: no input
-            if kv.teacher_forced_runs(p, len(prompt) - 1, exits[p - len(prompt) + 1] if p >= len(prompt) else 0, r)
-        ]
-        readout = [
-            (b, len(prompt) - 1 + tok_index)
-            for b, (prompt, exits) in enumerate(zip(ro.prompts, ro.exit_loops))
-            for tok_index, e in enumerate(exits)
-            if e == r
-        ]
+        rows, readout = [], []
+        for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
+            end = len(prompt) - 1  # the prompt's last position reads out token 0
+            for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
+                if kv.teacher_forced_runs(p, end, exits[p - end] if p > end else 0, r):
+                    rows.append((b, p))
+            readout += [(b, end + i) for i, e in enumerate(exits) if e == r]
         calls.append(Call(r, rows, readout))
     return calls
 
@@ -1119,17 +1116,21 @@ def grpo_update(
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
     _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
     adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
-    # NOTE: a sequence whose advantage is exactly 0 adds exactly 0 to the loss and only its tokens to the count: teacher
-    # forcing skips it (logp stays logp_old, ratio 1: the loss keeps its bits) unless KL needs it; one stays (backward).
-    # drop_tied (DAPO's filter, no refill): the loss and its count are over the groups that do not all tie (kept) only
-    kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size) | (not grpo.drop_tied)  # (B,)
-    live = torch.nonzero((adv != 0) | ((grpo.beta > 0) & kept))[:, 0].tolist() or [0]
-    size = grpo.micro_batch if 0 < grpo.micro_batch < B else B  # micro-batches of live rows, or every row at once
+    # NOTE: an advantage of exactly 0 adds exactly 0 to the loss (its tokens still count): teacher forcing
+    # skips such rows (logp stays logp_old, the loss keeps its bits) unless the KL needs them
+    kept = torch.ones_like(adv, dtype=torch.bool)  # (B,)
+    if grpo.drop_tied:  # DAPO's filter, no refill: the loss and its count leave out groups that all tie
+        kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size)
+    live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist()  # the rows teacher forcing runs
+    live = live or [0]  # none: one row all the same, so that backward has a graph
+    size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
-    count, model.grad_checkpoint = loss_count(mask[kept], grpo.loss_agg, all_reduce), grpo.grad_checkpoint
-    with torch.no_grad():  # the KL reference's joint log-probs, teacher-forced once, a micro-batch at a time
-        ref = lambda p: joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(p), numerics, True))  # noqa: E731
-        refs = [ref(p) if grpo.beta > 0 else None for p in pieces]
+    count = loss_count(mask[kept], grpo.loss_agg, all_reduce)  # the whole step's denominator
+    model.grad_checkpoint = grpo.grad_checkpoint
+    refs = [None] * len(pieces)  # the KL reference's joint log-probs, teacher-forced once per micro-batch
+    for i, piece in enumerate(pieces if grpo.beta > 0 else []):
+        with torch.no_grad():
+            refs[i] = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(piece), numerics, True))
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
@@ -1144,15 +1145,19 @@ def grpo_update(
             )
             naive = max(naive, float(((tf.detach() - logp_old[piece]).abs() * mask[piece]).max()))
             k = kept[piece]
-            over = [x if x is None else x[k] for x in (logp, logp_old[piece], adv[piece], mask[piece], refs[i])]
-            loss, s = grpo_loss(*over[:4], grpo, ref_logp=over[4], count=count)
+            ref_k = None if refs[i] is None else refs[i][k]
+            loss, s = grpo_loss(
+                logp[k], logp_old[piece][k], adv[piece][k], mask[piece][k], grpo, ref_logp=ref_k, count=count
+            )
             _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
             loss.backward()
-            losses.append(loss.item()), stats.append(s), tokens.append(float(over[3].sum()))
+            losses.append(loss.item())
+            stats.append(s)
+            tokens.append(float(mask[piece][k].sum()))
         if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
             metrics.update(_audit_first_iteration(model, chunks, logp_old, mask) if grpo.check_replay else {})
             metrics["sampling/naive_logp_difference/max"] = naive
-        for param in model.parameters() if all_reduce is not None else []:  # data parallel: sum the gradients
+        for param in model.parameters() if all_reduce else []:  # data parallel: sum the gradients
             param.grad = None if param.grad is None else all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
         _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm {float(grad_norm)}, iteration {it + 1}", model)
