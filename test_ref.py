@@ -2126,11 +2126,18 @@ def test_kl_term_is_k3_in_value_and_gradient(shape, seed, beta, agg):
     assert torch.allclose(grad, expect_grad, rtol=1e-10, atol=1e-14), f"KL gradient: {maxdiff(grad, expect_grad):.3e}"
 
 
-def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
+@pytest.mark.parametrize(
+    "options", [{}, {"micro_batch": 1}, {"micro_batch": 1, "grad_checkpoint": True}], ids=["whole", "mb1", "mb1-ckpt"]
+)
+def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3(options):
     """At iteration 1 against a reference equal to the current weights (invariant numerics: the replay and the
     reference's teacher-forced log-probs have the same bits) the KL is 0 in value and in gradient: the update is
     the update without it, bit for bit. After a step, `grpo_update` reports the k3 mean of the reference's
-    teacher-forced log-probs against the rollout's."""
+    teacher-forced log-probs against the rollout's; and with every reward tied (every advantage 0, drop_tied off)
+    the gradient it applies is the KL's alone, beta * sum_t w_t (1 - exp(x_t)) grad log pi_t (x = log pi_ref -
+    log pi, w = 1 / tokens), written here from fast teacher forcing (float32, 1e-4 of its largest entry: the
+    reference's fast log-probs round by batch). The whole step at once, in micro-batches of 1, and with
+    activation checkpointing (fast numerics, the gradient check)."""
     cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
     model = S.LoopedLM(cfg, seed=2)
     prompts, rewards = [[5, 6], [5, 6], [7], [7]], torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -2138,14 +2145,14 @@ def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
     updated = {}
     for beta in (0.0, 0.5):
         m = copy.deepcopy(model)
-        grpo = S.GRPOConfig(group_size=2, beta=beta, lr=1e-2)
+        grpo = S.GRPOConfig(group_size=2, beta=beta, lr=1e-2, **options)
         stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=1e-2), ro, rewards, grpo, "invariant", model)
         updated[beta] = m
     assert stats["kl"] == 0.0, stats
     for (name, a), b in zip(updated[0.0].named_parameters(), updated[0.5].parameters()):
         assert torch.equal(a, b), f"{name}: the KL to the current weights moved it by {maxdiff(a, b):.3e}"
     ro2 = S.rollout(updated[0.0], prompts, S.Policy(numerics="invariant"), max_new_tokens=4, seed=2)
-    grpo = S.GRPOConfig(group_size=2, beta=0.5)
+    grpo = S.GRPOConfig(group_size=2, beta=0.5, **options)
     m = updated[0.0]
     stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), ro2, rewards, grpo, "invariant", model)
     with torch.no_grad():
@@ -2154,6 +2161,21 @@ def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
     # 1e-4 relative: the code computes k3 in float32, where exp(x) - x - 1 cancels (x ~ 1e-2 here); a sign error
     # (exp(x) + x - 1) would be off by 2x, ~100 times k3
     assert expect > 1e-8 and abs(stats["kl"] - expect) <= 1e-4 * expect, (stats["kl"], expect)
+    opt = RecordingOptimizer(m)  # never steps: records the gradient
+    S.grpo_update(m, opt, ro2, torch.ones(4), dataclasses.replace(grpo, max_grad_norm=1e9), "fast", model)
+    applied, params = opt.records[0][1], dict(m.named_parameters())
+    with torch.no_grad():
+        x = S.teacher_forced_logprobs(model, ro2) - ro2.logprobs  # (B, N): log pi_ref - log pi, the value exact
+    dk3 = (0.5 * (1 - torch.exp(x)) * ro2.mask / ro2.mask.sum()).detach()  # d (beta * w * k3) / d log pi
+    kl_grad = torch.autograd.grad(
+        (dk3 * S.teacher_forced_logprobs(m, ro2)).sum(), list(params.values()), allow_unused=True
+    )
+    assert applied.keys() == {n for n, g in zip(params, kl_grad) if g is not None}, sorted(applied)
+    for n, g in zip(params, kl_grad):
+        if g is None:  # the exit gate: no gradient under the threshold policy
+            continue
+        d = maxdiff(applied[n], g)
+        assert d <= 1e-4 * g.abs().max().item() + 1e-12, f"{n}: KL gradient off by {d:.3e} (max {g.abs().max():.3e})"
 
 
 # --- micro-batches, activation checkpointing and rollout chunks: the same update, exactly ----------
@@ -3958,6 +3980,10 @@ BAD_FLAGS = [
     ("demo", "--lr", "nan"),
     ("demo", "--problems", "0"),
     ("demo", "--steps", "-1"),
+    ("train", "--micro-batch", "-1"),
+    ("train", "--rollout-batch", "-1"),
+    ("demo", "--micro-batch", "-1"),
+    ("demo", "--rollout-batch", "-1"),
     # a value outside a flag's choices: argparse refuses it itself, with its usage line
     ("verify", "--engine-dtype", "int8"),
     ("verify", "--exit-rule", "cdf"),
@@ -4026,6 +4052,13 @@ def test_default_flags_pass_their_checks(tmp_path):
     check(["train", "--device", "cpu"])
     check(_flags(tmp_path, "verify"))
     check(_flags(tmp_path, "rollout"))
+    for command in ("train", "demo"):  # 0 and more than the step's sequences: the whole step, accepted
+        for n in ("0", "5", str(S.MAX_COUNT)):
+            flags = S.flags_from_args(
+                S.build_parser().parse_args(_flags(tmp_path, command) + ["--micro-batch", n, "--rollout-batch", n])
+            )
+            S.check_flags(flags)
+            assert flags.micro_batch == flags.rollout_batch == int(n) and not flags.grad_checkpoint, flags
     with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
         check(["bench", "--repeats", "0"])
     assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
