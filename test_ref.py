@@ -2985,10 +2985,11 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
     assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
 
 
-@slow_job("test_two_processes_match_one")
-def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess, Path]]:
+@slow_job("test_two_processes_match_one", "test_two_processes_in_micro_batches_match_the_whole_batch")
+def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
-    on the micro model (written here: a job runs before any fixture would).
+    on the micro model (written here: a job runs before any fixture would); and ("micro") float32 under torchrun
+    again, in fast numerics, in micro-batches of 1 with checkpointing and rollout chunks of 1 (micro).
     Seed 3: both steps' groups have rewards that differ, so both steps move the weights."""
     micro = write_micro(tmp)
     common = ["train", "--config", str(micro), "--steps", "2", "--prompts-per-step", "2",
@@ -3002,6 +3003,9 @@ def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, s
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
         res = run_again_on_gloo_exit_abort([*launch, *flags, "--out", str(two)], env=env, timeout=300)
         out[dtype] = (one, two, res, micro)
+    mb = ["--numerics", "fast", "--micro-batch", "1", "--grad-checkpoint", "--rollout-batch", "1"]
+    res = run_again_on_gloo_exit_abort([*launch, *common, *mb, "--out", str(tmp / "micro")], env=env, timeout=300)
+    out["micro"] = (tmp / "float32" / "two", tmp / "micro", res)
     return out
 
 
@@ -3041,6 +3045,40 @@ def test_two_processes_match_one(slow_jobs, dtype):
     assert any(not torch.equal(a[k], start[k].to(a[k].dtype)) for k in a), (
         "the reward gave no gradient: the test would be vacuous"
     )
+
+
+@slow
+def test_two_processes_in_micro_batches_match_the_whole_batch(slow_jobs):
+    """torchrun with 2 gloo processes, each rolling out its sequences one chunk of 1 at a time and learning in
+    micro-batches of 1 with activation checkpointing (fast numerics), is the whole-batch torchrun run (invariant
+    numerics: the same distribution, other rounding): the same tokens and exits per sequence, log-probs within
+    1e-5, every step exact (0 mismatched), and the parameters after two steps within 1e-5 relative per tensor
+    (float32)."""
+    whole, micro, res = slow_jobs["test_two_processes_in_micro_batches_match_the_whole_batch"].result()["micro"]
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def records(folder):
+        out = {}
+        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
+            for line in f.read_text().splitlines():
+                d = json.loads(line)
+                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
+        return out
+
+    r1, r2 = records(whole), records(micro)
+    assert r1.keys() == r2.keys() and len(r1) == 2 * 2 * 2, (sorted(r1), sorted(r2))
+    for key in r1:
+        assert r1[key][:2] == r2[key][:2], f"{key}: tokens or exits differ: {r1[key]} vs {r2[key]}"
+        d = max((abs(a - b) for a, b in zip(r1[key][2], r2[key][2])), default=0.0)
+        assert d <= 1e-5, f"{key}: log-probs differ by {d:.3e}"
+    history = [json.loads(x) for x in (micro / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in history] == [1, 2] and all(m["exact/mismatched_tokens"] == 0 for m in history)
+    st_ = pytest.importorskip("safetensors.torch")
+    a, b = st_.load_file(str(whole / "model.safetensors")), st_.load_file(str(micro / "model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        rel = float((a[k] - b[k]).float().norm() / a[k].float().norm().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
 
 
 @pytest.mark.parametrize(
