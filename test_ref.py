@@ -1394,6 +1394,38 @@ def test_sequence_does_not_depend_on_its_batch(case, mode, data, exit_policy):
     assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i])
 
 
+def _chunked_rollout(case: Case, model: S.LoopedLM, k: int, **kw) -> list[S.Rollout]:
+    """`case`'s rollout in chunks of k sequences, as `_train_step` rolls out --rollout-batch k: each chunk its own
+    `S.rollout` (its own schedule), seeded by the batch's sequence indices, so each sequence draws as in the batch."""
+    B = len(case.prompts)
+    return [
+        dataclasses.replace(case, prompts=case.prompts[i : i + k]).rollout(
+            model, sequence_ids=list(range(i, min(i + k, B))), **kw
+        )
+        for i in range(0, B, k)
+    ]
+
+
+@examples(20)
+@given(case=cases(new_tokens=(2, 6), batch=(2, 4)), mode=modes, dtype=dtypes, data=st.data())
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_chunked_rollout_is_the_whole_batch_rollout_under_invariant_numerics(case, mode, dtype, exit_policy, data):
+    """--rollout-batch k: the step's sequences rolled out k at a time (each chunk seeded by the batch's sequence
+    indices), concatenated by `concat_rollouts`, are the whole-batch rollout bit for bit under invariant numerics:
+    completions, exit loops, both log-probs and the mask. A chunk seeded by its own positions (sequence_ids
+    ignored) or concatenated out of order fails it."""
+    k = data.draw(between(1, len(case.prompts)), label="chunk")
+    model = case.model(dtype)
+    kw = dict(mode=mode, numerics="invariant", exit_policy=exit_policy)
+    whole = case.rollout(model, **kw)
+    ro = S.concat_rollouts(_chunked_rollout(case, model, k, **kw))
+    assert ro.completions == whole.completions and ro.exit_loops == whole.exit_loops, (k, ro, whole)
+    assert ro.prompts == whole.prompts and torch.equal(ro.mask, whole.mask)
+    for name in ("logprobs", "exit_logprobs"):
+        a, b = getattr(ro, name), getattr(whole, name)
+        assert torch.equal(a, b), f"{name}: chunks of {k} vs the whole batch: max |diff| = {maxdiff(a, b):.3e}"
+
+
 @examples(25)
 @given(case=cases(new_tokens=(3, 6)), mode=modes)
 def test_eos_ends_sequence_and_masks_the_rest(case, mode):
@@ -2094,11 +2126,18 @@ def test_kl_term_is_k3_in_value_and_gradient(shape, seed, beta, agg):
     assert torch.allclose(grad, expect_grad, rtol=1e-10, atol=1e-14), f"KL gradient: {maxdiff(grad, expect_grad):.3e}"
 
 
-def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
+@pytest.mark.parametrize(
+    "options", [{}, {"micro_batch": 1}, {"micro_batch": 1, "grad_checkpoint": True}], ids=["whole", "mb1", "mb1-ckpt"]
+)
+def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3(options):
     """At iteration 1 against a reference equal to the current weights (invariant numerics: the replay and the
     reference's teacher-forced log-probs have the same bits) the KL is 0 in value and in gradient: the update is
     the update without it, bit for bit. After a step, `grpo_update` reports the k3 mean of the reference's
-    teacher-forced log-probs against the rollout's."""
+    teacher-forced log-probs against the rollout's; and with every reward tied (every advantage 0, drop_tied off)
+    the gradient it applies is the KL's alone, beta * sum_t w_t (1 - exp(x_t)) grad log pi_t (x = log pi_ref -
+    log pi, w = 1 / tokens), written here from fast teacher forcing (float32, 1e-4 of its largest entry: the
+    reference's fast log-probs round by batch). The whole step at once, in micro-batches of 1, and with
+    activation checkpointing (fast numerics, the gradient check)."""
     cfg = S.Config(**(TINY | dict(early_exit_threshold=0.6)))
     model = S.LoopedLM(cfg, seed=2)
     prompts, rewards = [[5, 6], [5, 6], [7], [7]], torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -2106,14 +2145,14 @@ def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
     updated = {}
     for beta in (0.0, 0.5):
         m = copy.deepcopy(model)
-        grpo = S.GRPOConfig(group_size=2, beta=beta, lr=1e-2)
+        grpo = S.GRPOConfig(group_size=2, beta=beta, lr=1e-2, **options)
         stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=1e-2), ro, rewards, grpo, "invariant", model)
         updated[beta] = m
     assert stats["kl"] == 0.0, stats
     for (name, a), b in zip(updated[0.0].named_parameters(), updated[0.5].parameters()):
         assert torch.equal(a, b), f"{name}: the KL to the current weights moved it by {maxdiff(a, b):.3e}"
     ro2 = S.rollout(updated[0.0], prompts, S.Policy(numerics="invariant"), max_new_tokens=4, seed=2)
-    grpo = S.GRPOConfig(group_size=2, beta=0.5)
+    grpo = S.GRPOConfig(group_size=2, beta=0.5, **options)
     m = updated[0.0]
     stats = S.grpo_update(m, torch.optim.SGD(m.parameters(), lr=0.0), ro2, rewards, grpo, "invariant", model)
     with torch.no_grad():
@@ -2122,6 +2161,141 @@ def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3():
     # 1e-4 relative: the code computes k3 in float32, where exp(x) - x - 1 cancels (x ~ 1e-2 here); a sign error
     # (exp(x) + x - 1) would be off by 2x, ~100 times k3
     assert expect > 1e-8 and abs(stats["kl"] - expect) <= 1e-4 * expect, (stats["kl"], expect)
+    opt = RecordingOptimizer(m)  # never steps: records the gradient
+    S.grpo_update(m, opt, ro2, torch.ones(4), dataclasses.replace(grpo, max_grad_norm=1e9), "fast", model)
+    applied, params = opt.records[0][1], dict(m.named_parameters())
+    with torch.no_grad():
+        x = S.teacher_forced_logprobs(model, ro2) - ro2.logprobs  # (B, N): log pi_ref - log pi, the value exact
+    dk3 = (0.5 * (1 - torch.exp(x)) * ro2.mask / ro2.mask.sum()).detach()  # d (beta * w * k3) / d log pi
+    kl_grad = torch.autograd.grad(
+        (dk3 * S.teacher_forced_logprobs(m, ro2)).sum(), list(params.values()), allow_unused=True
+    )
+    assert applied.keys() == {n for n, g in zip(params, kl_grad) if g is not None}, sorted(applied)
+    for n, g in zip(params, kl_grad):
+        if g is None:  # the exit gate: no gradient under the threshold policy
+            continue
+        d = maxdiff(applied[n], g)
+        assert d <= 1e-4 * g.abs().max().item() + 1e-12, f"{n}: KL gradient off by {d:.3e} (max {g.abs().max():.3e})"
+
+
+# --- micro-batches, activation checkpointing and rollout chunks: the same update, exactly ----------
+
+
+def _chunked_grpo_rollout(case: Case, model: S.LoopedLM, k: int, mode: str, exit_policy: str) -> list[S.Rollout]:
+    """`_grpo_rollout` in chunks of k sequences (`_chunked_rollout`): EOS is sequence 0's first token (the
+    aggregations' normalisers differ), and sequences 0 and 1 differ."""
+    first = case.rollout(model, mode=mode, exit_policy=exit_policy)
+    chunks = _chunked_rollout(case, model, k, mode=mode, exit_policy=exit_policy, stop_ids=(first.completions[0][0],))
+    ro = S.concat_rollouts(chunks)
+    assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
+    return chunks
+
+
+@examples(12)
+@given(gc=grpo_cases(), mode=modes, dtype=dtypes, beta=st.sampled_from([0.0, 0.1]), data=st.data())
+@pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
+def test_micro_batched_update_on_rollout_chunks_is_exact(gc, mode, dtype, beta, exit_policy, data):
+    """grpo_update on the step's rollout chunks (fast numerics, float32 and bfloat16, chunks of 1..B sequences),
+    with micro-batches of 1..B+1 sequences, with and without activation checkpointing, mu = 2 on unchanged
+    weights: iteration 1's ratios are exactly 1 and the audit finds 0 mismatched tokens (and exit log-probs),
+    iteration 2 (each chunk replayed on its own schedule) applies iteration 1's gradient bit for bit, and after
+    the update each chunk's replay is still its recorded log-probs bit for bit (the checkpointing switch left on
+    the model changes no value)."""
+    case, G, rewards = gc
+    B = len(case.prompts)
+    k, mb = data.draw(between(1, B), label="chunk"), data.draw(between(1, B + 1), label="micro_batch")
+    ckpt = data.draw(st.booleans(), label="grad_checkpoint")
+    model = case.model(dtype)
+    chunks = _chunked_grpo_rollout(case, model, k, mode, exit_policy)
+    g = S.GRPOConfig(group_size=G, beta=beta, mu=2, max_grad_norm=1e9, micro_batch=mb, grad_checkpoint=ckpt)
+    opt = RecordingOptimizer(model)  # never steps: both iterations see the weights that sampled
+    m = S.grpo_update(model, opt, chunks, rewards, g, ref_model=model if beta else None)
+    assert m["exact/mismatched_tokens"] == 0 and m["ratio_max"] == m["ratio_min"] == 1.0, m
+    assert exit_policy == "threshold" or m["exact/mismatched_exit_logprobs"] == 0, m
+    (_, first), (_, second) = opt.records
+    assert first.keys() == second.keys() and first, (sorted(first), sorted(second))
+    for n, grad in first.items():
+        assert torch.equal(grad, second[n]), (
+            f"{n}: iterations differ by {maxdiff(grad, second[n]):.3e} (k {k}, mb {mb})"
+        )
+    for i, c in enumerate(chunks):
+        tok, ext = S.replay_logprobs(model, c, with_exits=True)
+        assert torch.equal(tok, c.logprobs), f"chunk {i} of {k}: replay off by {maxdiff(tok, c.logprobs):.3e}"
+        assert torch.equal(ext, c.exit_logprobs), f"chunk {i}: exits off by {maxdiff(ext, c.exit_logprobs):.3e}"
+
+
+@st.composite
+def three_group_cases(draw) -> tuple[Case, int, torch.Tensor]:
+    """`grpo_cases` with a third prompt: groups 1 and 2 have spread rewards (non-zero advantages), group 3's
+    tie (all its advantages 0)."""
+    case, G, _ = draw(grpo_cases())
+    token = st.integers(0, case.cfg.vocab_size - 1)
+    third = [draw(token) for _ in range(draw(between(1, 4)))]
+    case = dataclasses.replace(case, prompts=case.prompts + [third] * G)
+    reward = st.sampled_from([0.0, 0.5, 1.0, 2.0])
+    one, two = [1.0, 0.0] + [draw(reward) for _ in range(G - 2)], [0.0, 2.0] + [draw(reward) for _ in range(G - 2)]
+    return case, G, torch.tensor(one + two + [draw(reward)] * G)
+
+
+def _flat(model: S.LoopedLM) -> torch.Tensor:
+    """Every parameter, flattened and concatenated, float64."""
+    return torch.cat([p.detach().double().flatten() for p in model.parameters()])
+
+
+@examples(20)
+@given(
+    gc=three_group_cases(),
+    mode=modes,
+    agg=st.sampled_from(S.LOSS_AGGREGATIONS),
+    drop_tied=st.booleans(),
+    kl=st.sampled_from([None, "initial", "other"]),
+    mu=between(1, 2),
+    exit_policy=st.sampled_from(S.EXIT_POLICIES),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    optimizer=st.sampled_from(["sgd", "sgd", "adamw"]),
+    data=st.data(),
+)
+def test_micro_batched_update_is_the_whole_batch_update(
+    gc, mode, agg, drop_tied, kl, mu, exit_policy, dtype, optimizer, data
+):
+    """The weights after one grpo_update in micro-batches of 1..B-1 sequences (with or without activation
+    checkpointing) are the weights after the whole-batch update (micro_batch 0), from the same initial weights on
+    the same rollout chunks: rel = ||p_micro - p_whole|| / ||p_whole||, all parameters concatenated, <= 1e-12 in
+    float64 and <= 1e-5 in float32 (only the summation order differs). Every loss aggregation, drop_tied on and
+    off, the KL term (beta 0.1, the reference the initial weights or another model), mu 1 and 2, both exit
+    policies, SGD and AdamW, clipping at norm 1. The update itself is >= 100x the tolerance, so a micro-batch
+    normalised by its own count, a lost micro-batch's gradient or a micro-batch against another's reference
+    fails it. A micro-batch of B or more is the whole step, bit for bit."""
+    case, G, rewards = gc
+    B = len(case.prompts)
+    k, mb = data.draw(between(1, B), label="chunk"), data.draw(between(1, B - 1), label="micro_batch")
+    ckpt = data.draw(st.booleans(), label="grad_checkpoint")
+    model = case.model(dtype)
+    chunks = _chunked_grpo_rollout(case, model, k, mode, exit_policy)
+    reference = {None: None, "initial": copy.deepcopy(model)}.get(kl, S.LoopedLM(case.cfg, seed=case.model_seed + 1))
+    reference = reference if reference is None else reference.to(dtype)
+    g = S.GRPOConfig(group_size=G, loss_agg=agg, drop_tied=drop_tied, beta=0.1 if kl else 0.0, mu=mu)
+    after = {}
+    for name, size, redo in (("whole", 0, False), ("micro", mb, ckpt), ("B+", data.draw(between(B, B + 2)), ckpt)):
+        m = copy.deepcopy(model)
+        opt = (
+            torch.optim.SGD(m.parameters(), lr=0.1)
+            if optimizer == "sgd"
+            else torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+        )
+        S.grpo_update(
+            m, opt, chunks, rewards, dataclasses.replace(g, micro_batch=size, grad_checkpoint=redo), "fast", reference
+        )
+        after[name] = m
+    whole, micro, start = _flat(after["whole"]), _flat(after["micro"]), _flat(model)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    rel, moved = float((micro - whole).norm() / whole.norm()), float((whole - start).norm() / whole.norm())
+    assert moved >= 100 * tol, f"the update moved the weights by {moved:.2e} only: the comparison would be vacuous"
+    assert rel <= tol, (
+        f"micro-batches of {mb} (checkpoint {ckpt}, chunks of {k}) vs whole: rel {rel:.3e} (moved {moved:.2e})"
+    )
+    for (n, a), b in zip(after["whole"].named_parameters(), after["B+"].parameters()):
+        assert torch.equal(a, b), f"{n}: a micro-batch of B or more is not the whole step: {maxdiff(a, b):.3e}"
 
 
 @examples(10)
@@ -2811,10 +2985,11 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
     assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
 
 
-@slow_job("test_two_processes_match_one")
-def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, subprocess.CompletedProcess, Path]]:
+@slow_job("test_two_processes_match_one", "test_two_processes_in_micro_batches_match_the_whole_batch")
+def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
-    on the micro model (written here: a job runs before any fixture would).
+    on the micro model (written here: a job runs before any fixture would); and ("micro") float32 under torchrun
+    again, in fast numerics, in micro-batches of 1 with checkpointing and rollout chunks of 1 (micro).
     Seed 3: both steps' groups have rewards that differ, so both steps move the weights."""
     micro = write_micro(tmp)
     common = ["train", "--config", str(micro), "--steps", "2", "--prompts-per-step", "2",
@@ -2828,6 +3003,9 @@ def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple[Path, Path, s
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
         res = run_again_on_gloo_exit_abort([*launch, *flags, "--out", str(two)], env=env, timeout=300)
         out[dtype] = (one, two, res, micro)
+    mb = ["--numerics", "fast", "--micro-batch", "1", "--grad-checkpoint", "--rollout-batch", "1"]
+    res = run_again_on_gloo_exit_abort([*launch, *common, *mb, "--out", str(tmp / "micro")], env=env, timeout=300)
+    out["micro"] = (tmp / "float32" / "two", tmp / "micro", res)
     return out
 
 
@@ -2867,6 +3045,40 @@ def test_two_processes_match_one(slow_jobs, dtype):
     assert any(not torch.equal(a[k], start[k].to(a[k].dtype)) for k in a), (
         "the reward gave no gradient: the test would be vacuous"
     )
+
+
+@slow
+def test_two_processes_in_micro_batches_match_the_whole_batch(slow_jobs):
+    """torchrun with 2 gloo processes, each rolling out its sequences one chunk of 1 at a time and learning in
+    micro-batches of 1 with activation checkpointing (fast numerics), is the whole-batch torchrun run (invariant
+    numerics: the same distribution, other rounding): the same tokens and exits per sequence, log-probs within
+    1e-5, every step exact (0 mismatched), and the parameters after two steps within 1e-5 relative per tensor
+    (float32)."""
+    whole, micro, res = slow_jobs["test_two_processes_in_micro_batches_match_the_whole_batch"].result()["micro"]
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    def records(folder):
+        out = {}
+        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
+            for line in f.read_text().splitlines():
+                d = json.loads(line)
+                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
+        return out
+
+    r1, r2 = records(whole), records(micro)
+    assert r1.keys() == r2.keys() and len(r1) == 2 * 2 * 2, (sorted(r1), sorted(r2))
+    for key in r1:
+        assert r1[key][:2] == r2[key][:2], f"{key}: tokens or exits differ: {r1[key]} vs {r2[key]}"
+        d = max((abs(a - b) for a, b in zip(r1[key][2], r2[key][2])), default=0.0)
+        assert d <= 1e-5, f"{key}: log-probs differ by {d:.3e}"
+    history = [json.loads(x) for x in (micro / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in history] == [1, 2] and all(m["exact/mismatched_tokens"] == 0 for m in history)
+    st_ = pytest.importorskip("safetensors.torch")
+    a, b = st_.load_file(str(whole / "model.safetensors")), st_.load_file(str(micro / "model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        rel = float((a[k] - b[k]).float().norm() / a[k].float().norm().clamp_min(1e-30))
+        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -3874,6 +4086,10 @@ BAD_FLAGS = [
     ("demo", "--lr", "nan"),
     ("demo", "--problems", "0"),
     ("demo", "--steps", "-1"),
+    ("train", "--micro-batch", "-1"),
+    ("train", "--rollout-batch", "-1"),
+    ("demo", "--micro-batch", "-1"),
+    ("demo", "--rollout-batch", "-1"),
     # a value outside a flag's choices: argparse refuses it itself, with its usage line
     ("verify", "--engine-dtype", "int8"),
     ("verify", "--exit-rule", "cdf"),
@@ -3942,6 +4158,13 @@ def test_default_flags_pass_their_checks(tmp_path):
     check(["train", "--device", "cpu"])
     check(_flags(tmp_path, "verify"))
     check(_flags(tmp_path, "rollout"))
+    for command in ("train", "demo"):  # 0 and more than the step's sequences: the whole step, accepted
+        for n in ("0", "5", str(S.MAX_COUNT)):
+            flags = S.flags_from_args(
+                S.build_parser().parse_args(_flags(tmp_path, command) + ["--micro-batch", n, "--rollout-batch", n])
+            )
+            S.check_flags(flags)
+            assert flags.micro_batch == flags.rollout_batch == int(n) and not flags.grad_checkpoint, flags
     with pytest.raises(ValueError, match="--repeats must be an integer in 1..1,000,000, got 0"):
         check(["bench", "--repeats", "0"])
     assert not (tmp_path / "d").exists() and not (tmp_path / "out").exists()
