@@ -2095,15 +2095,15 @@ def memory_plan(
     State: weights; bfloat16: float32 masters, the exporter's start copy (and residuals for error-feedback);
     AdamW's two moments (float32); gradients; the KL reference (beta > 0). Phases: the rollout (and the
     replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the teacher-
-    forced cache, a layer's attention scores in flight; the optimizer step: the masters' float32 gradients in
-    place of the copy's, a few temporaries of the largest weight (on a GPU, AdamW's foreach ones of every
-    weight). Returns every part, each phase and "peak"."""
+    forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
+    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
+    Returns every part, each phase and "peak"."""
     sizes, e, cuda = (
         [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()],
         dtype.itemsize,
         "cuda" in str(device),
     )
-    P, largest = sum(sizes), max(sizes)  # AdamW and the export make temporaries one weight at a time (CPU)
+    P, largest = sum(sizes), max(sizes)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
     chunk = rollout_batch if 0 < rollout_batch < sequences else sequences
@@ -2123,7 +2123,7 @@ def memory_plan(
         "kl_reference": P * e * (beta > 0),
         "rollout_cache": chunk * T * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
-        "step": 4 * P * low - P * e * low + 4 * P * cuda + 8 * largest,  # float32 gradients replace the copy's
+        "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
     }
     state = sum(
         plan[k] for k in ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
@@ -2280,11 +2280,13 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self) -> None:
-        for m, c in zip(self.masters, self.copies):
-            m.grad, c.grad = None if c.grad is None else c.grad.float(), None  # one copy of the gradients at a time
-        self.opt.step()
+        """AdamW and the export one weight at a time: one float32 gradient lives at once (AdamW steps each weight
+        on its own: the same bits as one step of all)."""
         for i, (m, c) in enumerate(zip(self.masters, self.copies)):
-            m.grad = None
+            if c.grad is not None:
+                m.grad, c.grad = c.grad.float(), None
+                self.opt.step()  # steps the one master with a gradient
+                m.grad = None
             c.copy_(export_rounded(m, self.rounding, self.gen, self.residuals and self.residuals[i]))
 
     def state_dict(self) -> dict:
