@@ -108,8 +108,7 @@ def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (tested)."""
-    # NOTE: why: README, Contract, "Derivations" (sigmoid_elementwise)
+    """sigmoid by the scalar kernel: batch-independent bits (tested; why: Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -131,7 +130,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) ---------
+# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) --------
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -157,7 +156,7 @@ class MLP(nn.Module):
 
 
 def recomputed(fn: Callable, redo: bool, *args):
-    """fn(*args); with `redo` (activation checkpointing), backward runs fn again rather than keep its work."""
+    """fn(*args); `redo` (activation checkpointing): backward runs fn again, not keep its work."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
 
 
@@ -315,7 +314,7 @@ class LoopedLM(nn.Module):
             with torch.no_grad():
                 param.copy_(init)
         self._rope: dict = {}
-        self.grad_checkpoint = False  # teacher forcing recomputes in backward (`GRPOConfig`)
+        self.grad_checkpoint = False  # recompute teacher forcing in backward
 
     @property
     def dtype(self) -> torch.dtype:
@@ -373,8 +372,8 @@ def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
 def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
-    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p)."""
-    # NOTE: why: README, Contract, "Derivations" (_hf_cdf)
+    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p).
+    Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
     lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
     wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
@@ -392,8 +391,7 @@ def exit_loops(
 ) -> torch.Tensor:
     """The exit rule (Contract §3): gates (n, j) of j <= R loops -> exit loops
     (n,) long, the first r >= min_loops with CDF_r >= tau (R: none or tau None;
-    0: loops 1..j do not decide). Elementwise: batch-invariant."""
-    # NOTE: why: README, Contract, "Derivations" (exit_loops)
+    0: loops 1..j do not decide). Elementwise: batch-invariant (Derivations)."""
     n, j = gate_logits.shape
     if tau is None or j == 0:
         return torch.full((n,), R if j >= R else 0, dtype=torch.long, device=gate_logits.device)
@@ -419,8 +417,7 @@ def uniforms(gens: list[torch.Generator], device) -> torch.Tensor:
 def sample_exits(g: torch.Tensor, r: int, R: int, min_loops: int, gens: list[torch.Generator]) -> torch.Tensor:
     """The sampled exit policy after loop r: (n,) long, r (exit now) or 0.
     g (n,): the deciding positions' loop-r gates; gens: their generators.
-    Before min_loops: stay; at R: exit; else exit iff u < lam (acc_dtype)."""
-    # NOTE: why: README, Contract, "Derivations" (sample_exits)
+    Before min_loops: stay; at R: exit; else exit iff u < lam (Derivations)."""
     if r < min_loops or r == R:
         return torch.full(g.shape, 0 if r < min_loops else R, dtype=torch.long, device=g.device)
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
@@ -431,8 +428,8 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
     """log p(exit = e) under `sample_exits`, differentiable: gates (..., R),
     exits (...) long (0: no token, log p 0) -> (...) acc_dtype, the sum of
     log(1 - lam_j) for min_loops <= j < e and log lam_e if e < R.
-    NOTE: the ONE place this is computed (rollout, replay, teacher forcing)."""
-    # NOTE: why: README, Contract, "Derivations" (exit_logprob)
+    NOTE: the ONE place this is computed (rollout, replay, teacher forcing;
+    why this form: README, Contract, "Derivations")."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -443,7 +440,7 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
     return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
 
 
-# --- KV cache and calls (the caller owns positions) --------------------------
+# --- KV cache and calls (the caller owns positions) -------------------------
 @dataclass
 class LoopCache:
     """k, v: [loop][layer] (B, KVH, T, D), K after RoPE; h (B, T, C): each
@@ -527,7 +524,7 @@ class ExactKV:
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
-# --- The policy: log-probabilities, the readout, sampling --------------------
+# --- The policy: log-probabilities, the readout, sampling -------------------
 
 MODES = ("dense", "deferred")
 
@@ -719,9 +716,8 @@ def rollout(
           5    9  10  11             5    5   6   ·     <- exits at 2: loop 3 never needed
 
     Same tokens, 12 calls or 7. NOTE: riding along is safe: loop r of a position
-    reads only earlier positions' loop-r K/V, brought up to r no later than now."""
-    # NOTE: why: README, Contract, "Derivations" (rollout)
-
+    reads only earlier positions' loop-r K/V, brought up to r no later than now
+    (the draw order: README, Contract, "Derivations")."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -818,10 +814,9 @@ def execute_schedule(
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
-    Returns (token log-probs, exit log-probs), each (B, N), 0 where mask is False: the recorded tokens' log-probs
-    read out where the calls say, and (sampled exits) `exit_logprob` of each recorded exit loop from the gates
-    of its deciding rows (zeros for the threshold policy). `on_call(call, h)` sees every call's output and
-    `on_readout(call, logp)` the (n_out, V) policy of its readout rows (the oracle reads both)."""
+    Returns (token, exit) log-probs, (B, N) each, 0 where mask is False: the recorded tokens' where the calls
+    read out; `exit_logprob` of the recorded exits from their deciding rows' gates (threshold: zeros).
+    `on_call(call, h)` and `on_readout(call, logp)` see each call's output and readout (the oracle's)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
@@ -834,7 +829,7 @@ def execute_schedule(
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        if sampled:  # NOTE: the rows the rollout asked for a decision, in its order: its gates' very bits
+        if sampled:  # NOTE: the rows the rollout asked, in its order: its gates' bits
             i_dec = deciding(call.loop, rows.seq, rows.pos, first, exits).nonzero()[:, 0]  # (n_dec,)
             b, tok_index = rows.seq[i_dec], rows.pos[i_dec] - first[rows.seq[i_dec]]  # (n_dec,) each
             gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics) if i_dec.numel() else 0
@@ -852,10 +847,8 @@ def execute_schedule(
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients.
-
-    Returns the (B, N) log-probs, equal to `ro.logprobs` bit for bit while the weights are unchanged; with
-    `with_exits`, (tokens', exits') log-probs, the second equal to `ro.exit_logprobs` bit for bit."""
+    """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients: (B, N)
+    log-probs, `ro.logprobs` bit for bit while the weights are unchanged; `with_exits`: (tokens', exits')."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
@@ -864,14 +857,14 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def concat_rollouts(chunks: list[Rollout]) -> Rollout:
-    """A step rolled out in chunks, as one batch (no schedule: each chunk replays its own, `replay_chunks`)."""
+    """A step's chunks as one batch, without a schedule (each replays its own: `replay_chunks`)."""
     lists = {k: sum((getattr(c, k) for c in chunks), []) for k in ("prompts", "completions", "exit_loops")}
     tensors = {k: torch.cat([getattr(c, k) for c in chunks]) for k in ("logprobs", "mask", "exit_logprobs")}
     return dataclasses.replace(chunks[0], **lists, **tensors, schedule=None)
 
 
 def replay_chunks(model: LoopedLM, chunks: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's replay (its own schedule: exact), concatenated: (tokens', exits') log-probs, (B, N) each."""
+    """Each chunk's replay (its own schedule), concatenated: (tokens', exits') log-probs, (B, N) each."""
     if len(chunks) == 1:
         return replay_logprobs(model, chunks[0], with_exits=True)
     tok, ext = zip(*(replay_logprobs(model, c, with_exits=True) for c in chunks))
@@ -898,9 +891,8 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward over whole sequences, every loop for every position, read out at the
-    recorded exit loops. Returns (B, N) log-probs with gradients, on the model's device; with `with_exits`,
-    (tokens', exits') log-probs, the second differentiable in the gates (so in everything under them)."""
+    """One differentiable forward, every loop of every position, read out at the recorded exits: (B, N)
+    log-probs on the model's device; with `with_exits`, (tokens', exits') log-probs."""
     tok, ext = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
     return (tok, ext) if with_exits else tok
 
@@ -908,11 +900,9 @@ def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast"
 def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
 
-    NOTE: `value.detach() + (tf - tf.detach())`, in this order: for finite log-probs tf - tf.detach()
-    is exactly 0.0 in every element, and x + 0.0 == x, so the value is `value`'s bits, always. The other
-    form, `tf + (value - tf).detach()`, is exact only while tf and value are within a factor of 2 (then
-    value - tf is exact); beyond that it rounds, so it is NOT a bitwise guarantee. A token teacher forcing
-    drops (top-k/top-p: rounding moved the boundary) gets no gradient instead of -inf - -inf = NaN."""
+    NOTE: in this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x: `value`'s bits, always. The
+    form `tf + (value - tf).detach()` rounds once the two differ by a factor of 2: NOT bitwise. A token
+    teacher forcing drops (top-k/top-p) gets no gradient rather than -inf - -inf = NaN."""
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
@@ -925,19 +915,17 @@ def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.T
 def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learner's log-prob of each step, (B, N) joint (`joint_logprobs`): the exact value's bits with
-    the teacher-forced gradient, `hybrid(value, tf)`, for tokens and exits alike.
+    """The learner's joint log-prob of each step, (B, N): `hybrid(value, tf)`, tokens and exits alike.
 
-    `value` (token, exit log-probs) is the exact value when the caller has it (GRPO's first iteration: the
-    sampler's records, since the weights are the ones that sampled); else the replay computes it. Returns
-    (logp, tf): the hybrid, and the joint teacher-forced log-probs themselves (what a naive learner uses)."""
+    `value` (token, exit log-probs): the exact value when the caller has it (GRPO's first iteration: the
+    sampler's records); else the replay's. Returns (logp, tf): the hybrid, and tf (a naive learner's)."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
     return joint_logprobs(ro, tok, ext), joint_logprobs(ro, tf_tok, tf_exit)
 
 
-# --- GRPO -------------------------------------------------------------------------------------------
+# --- GRPO -------------------------------------------------------------------
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -946,9 +934,8 @@ SCALE_REWARDS = ("group", "batch", "none")
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
 ) -> torch.Tensor:
-    """rewards (B,) float, B = P * G, groups contiguous -> advantages (B,) float32. A = r - mean(group);
-    divided by std(group) + eps ("group"), by the batch's std + eps ("batch"), or not at all ("none", Dr.
-    GRPO). std is the unbiased one, as in TRL."""
+    """rewards (B,), groups of G contiguous -> advantages (B,) float32: r - mean(group), divided by the
+    group's ("group") or the batch's ("batch") unbiased std + eps, as TRL, or not ("none", Dr. GRPO)."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -971,10 +958,10 @@ class GRPOConfig:
     loss_agg: str = "token_mean"
     mu: int = 1  # inner iterations per batch of rollouts
     adv_eps: float = 1e-4
-    check_replay: bool = True  # replay on iteration 1 too, and refuse any token whose bits differ
-    drop_tied: bool = False  # the loss leaves out every group whose rewards all tie (Contract §6)
-    micro_batch: int = 0  # sequences per backward, gradients accumulated; 0: the whole step at once
-    grad_checkpoint: bool = False  # teacher forcing keeps one input per (layer, loop), recomputed in backward
+    check_replay: bool = True  # replay iteration 1 too; refuse any bit that differs
+    drop_tied: bool = False  # the loss leaves out groups whose rewards all tie (§6)
+    micro_batch: int = 0  # sequences a backward, gradients summed; 0: the whole step
+    grad_checkpoint: bool = False  # teacher forcing recomputed in backward
 
 
 def loss_count(mask: torch.Tensor, loss_agg: str, all_reduce: Callable | None = None):
@@ -1000,20 +987,13 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
 
-    Per token: ratio = exp(logp - logp_old); term = min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A),
-    minus beta * k3 KL to the reference when beta > 0 (ref_logp needed then); eps_low, eps_high, beta and the
-    aggregation are `grpo`'s. Aggregation over masked tokens:
-    - "token_mean" (DAPO): sum over all tokens / number of tokens;
-    - "seq_mean_token_mean" (original GRPO): mean over sequences of each sequence's token mean;
-    - "dr_grpo" (Dr. GRPO): sum / (B * N), N = max_new_tokens: a constant normaliser (B: the rows given).
-    Differences from textbook GRPO, on purpose: asymmetric clipping (eps_low/eps_high, DAPO's "clip
-    higher"); KL off by default (beta = 0, as in DAPO/Dr. GRPO); logp_old is the sampler's *recorded*
-    log-prob, exact here, so on the first iteration every ratio is exactly 1.0.
-    `count`: the denominator (`loss_count`) when these rows are one micro-batch of a larger step.
-    """
+    Per token: ratio = exp(logp - logp_old); min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), less
+    beta * k3 KL to `ref_logp`; summed over masked tokens and divided by `count` (`loss_count`: tokens for
+    token_mean (DAPO), sequences of token means for seq_mean_token_mean (GRPO), B * N for dr_grpo).
+    logp_old is the sampler's *recorded* log-prob, exact here: iteration 1's ratios are exactly 1.0."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
-    a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # a: (B, 1), the clip range
+    a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1); the clip range
     term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
     if grpo.beta > 0:
@@ -1023,7 +1003,7 @@ def grpo_loss(
         stats["kl"] = float((kl.detach() * maskf).sum() / maskf.sum().clamp_min(1))
     per_token = -term * maskf  # (B, N); we minimise
     if grpo.loss_agg == "seq_mean_token_mean":
-        per_token = per_token.sum(1, keepdim=True) / maskf.sum(1, keepdim=True).clamp_min(1)  # (B, 1) sequence means
+        per_token = per_token.sum(1, keepdim=True) / maskf.sum(1, keepdim=True).clamp_min(1)  # (B, 1)
     loss = per_token.sum() / (loss_count(mask, grpo.loss_agg, all_reduce) if count is None else count)
     with torch.no_grad():
         clipped = ((ratio < lo) & (a < 0)) | ((ratio > hi) & (a > 0))  # (B, N)
@@ -1034,18 +1014,18 @@ def grpo_loss(
 
 
 class NonFiniteError(RuntimeError):
-    """Raised when logits, loss or gradients stop being finite; training keeps the last good checkpoint."""
+    """Logits, loss or gradients stopped being finite (training keeps the last good checkpoint)."""
 
 
 class ReplayMismatchError(RuntimeError):
-    """Raised when the replay does not reproduce the sampler's log-probs bit for bit (the step refuses)."""
+    """The replay did not reproduce the sampler's log-probs bit for bit (the step refuses)."""
 
 
-# GRPO's guard and its audit of iteration 1: `grpo_update` calls each in one line, so its loop is the algorithm.
+# GRPO's guard and its audit of iteration 1, one line each in `grpo_update`.
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
-    """NonFiniteError saying what stopped being finite, and which parameters are not (the usual cause)."""
+    """NonFiniteError naming what stopped being finite, and the parameters that are not."""
     if not bool(ok):
         bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
@@ -1054,14 +1034,15 @@ def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
 def _audit_first_iteration(model: LoopedLM, chunks: list[Rollout], logp_old: torch.Tensor, mask) -> dict:
     """Replay and compare with the sampler bit for bit, tokens' and exits' log-probs (logp_old: joint)."""
     ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
-    tok, ext = (x.to(model.device) for x in replay_chunks(model, chunks))  # (B, N) each
-    mismatched = int(((tok != ro.logprobs.to(model.device)) & mask).sum())
-    mismatched_exits = int(((ext != ro.exit_logprobs.to(model.device)) & mask).sum())
+    tok, ext = replay_chunks(model, chunks)  # (B, N) each, on the host as the records
+    mask = mask.cpu()
+    mismatched = int(((tok != ro.logprobs) & mask).sum())
+    mismatched_exits = int(((ext != ro.exit_logprobs) & mask).sum())
     metrics = {"exact/mismatched_tokens": mismatched}
     if ro.policy.exit_policy == "sampled":
         metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
     replay = joint_logprobs(ro, tok, ext)  # (B, N)
-    metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old).abs() * mask).max())
+    metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old.cpu()).abs() * mask).max())
     if mismatched or mismatched_exits:
         raise ReplayMismatchError(
             f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
@@ -1080,7 +1061,7 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
 
 
 def _pooled(stats: list[dict], tokens: list[float]) -> dict:
-    """Micro-batches' `grpo_loss` stats as the whole step's: token-weighted means, extremes of extremes."""
+    """Micro-batches' `grpo_loss` stats pooled: token-weighted means, extremes of extremes."""
     if len(stats) == 1:
         return stats[0]
     mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(sum(tokens), 1)  # noqa: E731
@@ -1098,81 +1079,72 @@ def grpo_update(
     ref_model: LoopedLM | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict:
-    """mu GRPO iterations on one batch of rollouts; returns metrics (TRL/verl names where they exist).
+    """mu GRPO iterations on one batch of rollouts (or its chunks, a list); metrics in TRL/verl names.
 
-    Every iteration takes its log-probs from `learner_logprobs`: the exact value, the teacher-forced
-    gradient. Iteration 1: the weights are the ones that sampled, so the exact value is the sampler's
-    recorded log-probs (with `check_replay` the replay runs anyway and any token whose bits differ refuses
-    the step). Iterations 2..mu: the replay with the new weights. Sampled exits: every log-prob is the step's
-    joint one, token + exit, so the gate learns from the same advantage as the tokens. `ro` may be the
-    step's chunks (a list: each replays its own schedule). With `grpo.micro_batch`, teacher forcing and
-    backward run that many sequences at a time, the loss over the whole step's count (`loss_count`), the
-    gradients summed: the whole-step update up to summation order. `all_reduce` (data parallel) sums
-    across processes."""
+    Log-probs from `learner_logprobs`: the exact value, the teacher-forced gradient. Iteration 1's value is
+    the sampler's record (`check_replay`: the replay must match it bit for bit); later ones the replay's.
+    Sampled exits: log-probs are joint, token + exit. `grpo.micro_batch`: that many sequences a backward,
+    the whole step's `loss_count`, gradients summed. `all_reduce` (data parallel) sums across processes."""
     chunks = ro if isinstance(ro, list) else [ro]
     ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
     mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
-    recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each, exact
+    recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
     _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
     adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
-    # NOTE: an advantage of exactly 0 adds exactly 0 to the loss (its tokens still count): teacher forcing
-    # skips such rows (logp stays logp_old, the loss keeps its bits) unless the KL needs them
+    # NOTE: an advantage of 0 adds exactly 0 (its tokens still count): forced only for the KL
     kept = torch.ones_like(adv, dtype=torch.bool)  # (B,)
-    if grpo.drop_tied:  # DAPO's filter, no refill: the loss and its count leave out groups that all tie
+    if grpo.drop_tied:  # DAPO's filter, no refill: tied groups leave the loss and its count
         kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size)
-    live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist()  # the rows teacher forcing runs
+    live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist()  # rows to teacher-force
     live = live or [0]  # none: one row all the same, so that backward has a graph
     size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
     count = loss_count(mask[kept], grpo.loss_agg, all_reduce)  # the whole step's denominator
     model.grad_checkpoint = grpo.grad_checkpoint
-    refs = [None] * len(pieces)  # the KL reference's joint log-probs, teacher-forced once per micro-batch
+    refs = [None] * len(pieces)  # the KL reference's log-probs, per micro-batch
     for i, piece in enumerate(pieces if grpo.beta > 0 else []):
         with torch.no_grad():
             refs[i] = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(piece), numerics, True))
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
-        # ---- the GRPO iteration: BEGIN ------------------------------------------------------------------
-        value = recorded if it == 0 else replay_chunks(model, chunks)  # exact: each chunk's whole schedule
+        # ---- the GRPO iteration: BEGIN ----
+        value = recorded if it == 0 else replay_chunks(model, chunks)  # exact
         opt.zero_grad(set_to_none=True)
         losses, stats, tokens, naive = [], [], [], 0.0
         for i, piece in enumerate(pieces):  # a micro-batch: its live rows are teacher-forced
             logp, tf = micro_batch_logprobs(model, ro, piece, live, value, logp_old, numerics)  # (b, N) each
-            # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token it sampled (its ratio is then 0)
-            _finite_or_stop(
-                (logp.detach() < math.inf)[mask[piece]].all(), f"learner log-probs, iteration {it + 1}", model
-            )
-            naive = max(naive, float(((tf.detach() - logp_old[piece]).abs() * mask[piece]).max()))
-            k = kept[piece]
+            old, m, k = logp_old[piece], mask[piece], kept[piece]  # (b, N), (b, N), (b,)
+            # NOTE: -inf passes: a later iteration's top-k/top-p may drop a sampled token (ratio 0)
+            _finite_or_stop((logp.detach() < math.inf)[m].all(), f"learner log-probs, iteration {it + 1}", model)
+            naive = max(naive, float(((tf.detach() - old).abs() * m).max()))
             ref_k = None if refs[i] is None else refs[i][k]
-            loss, s = grpo_loss(
-                logp[k], logp_old[piece][k], adv[piece][k], mask[piece][k], grpo, ref_logp=ref_k, count=count
-            )
+            loss, s = grpo_loss(logp[k], old[k], adv[piece][k], m[k], grpo, ref_logp=ref_k, count=count)
             _finite_or_stop(torch.isfinite(loss), f"GRPO loss {loss.item()}, iteration {it + 1}", model)
             loss.backward()
             losses.append(loss.item())
             stats.append(s)
-            tokens.append(float(mask[piece][k].sum()))
-        if it == 0:  # the audit proves iteration 1's value is the replay's (and refuses the step if not)
+            tokens.append(float(m[k].sum()))
+        if it == 0:  # the audit: iteration 1's value is the replay's, or it refuses
             metrics.update(_audit_first_iteration(model, chunks, logp_old, mask) if grpo.check_replay else {})
             metrics["sampling/naive_logp_difference/max"] = naive
-        for param in model.parameters() if all_reduce else []:  # data parallel: sum the gradients
-            param.grad = None if param.grad is None else all_reduce(param.grad)
+        if all_reduce is not None:  # data parallel: sum the gradients
+            for param in model.parameters():
+                param.grad = None if param.grad is None else all_reduce(param.grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
         _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm {float(grad_norm)}, iteration {it + 1}", model)
         opt.step()
-        _finite_or_stop(all(param.isfinite().all() for param in model.parameters()), "parameters after the step", model)
-        # ---- the GRPO iteration: END (below: metrics only) ------------------------------------------------
+        _finite_or_stop(all(p.isfinite().all() for p in model.parameters()), "parameters after the step", model)
+        # ---- the GRPO iteration: END (below: metrics only) ----
         stats = _pooled(stats, tokens)
         clip_ratios.append(stats["clip_ratio"])
-        if it == 0:  # iteration 1's ratios are exactly 1.0 by construction; later ones are not
+        if it == 0:  # iteration 1's ratios: exactly 1.0 by construction
             metrics.update(stats, loss=sum(losses[1:], losses[0]), grad_norm=float(grad_norm))
-    metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # mean over the mu iterations, as TRL
+    metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # over the mu iterations, as TRL
     return metrics
 
 
-# ===================================================================================================
+# ============================================================================
 # THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
 # all. Everything below is tooling (config files and HF checkpoints, tokenizers, data and rewards, the warm
 # start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it.
