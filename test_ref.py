@@ -2985,6 +2985,16 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch, flag, value):
     assert not (out / "trainer_state.pt").exists() and not (out / "model.safetensors").exists()
 
 
+def logged_rollouts(folder: Path) -> dict:
+    """A run's --log-rollouts records, every rank's: (step, sequence) -> (completion ids, exit loops, log-probs)."""
+    out = {}
+    for f in sorted(folder.glob("rollouts.rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            d = json.loads(line)
+            out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
+    return out
+
+
 @slow_job("test_two_processes_match_one", "test_two_processes_in_micro_batches_match_the_whole_batch")
 def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
@@ -3024,15 +3034,7 @@ def test_two_processes_match_one(slow_jobs, dtype):
     one, two, res, micro = slow_jobs["test_two_processes_match_one"].result()[dtype]
     assert res.returncode == 0, res.stderr[-3000:]
 
-    def records(folder):
-        out = {}
-        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
-            for line in f.read_text().splitlines():
-                d = json.loads(line)
-                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
-        return out
-
-    r1, r2, bf16 = records(one), records(two), dtype == "bfloat16"
+    r1, r2, bf16 = logged_rollouts(one), logged_rollouts(two), dtype == "bfloat16"
     if bf16:
         r1, r2 = ({k: v for k, v in r.items() if k[0] == 1} for r in (r1, r2))
         for run in (one, two):
@@ -3059,15 +3061,7 @@ def test_two_processes_in_micro_batches_match_the_whole_batch(slow_jobs):
     within 1e-5 relative per tensor (float32)."""
     whole, micro = slow_jobs["test_two_processes_in_micro_batches_match_the_whole_batch"].result()["micro"]
 
-    def records(folder):
-        out = {}
-        for f in sorted(folder.glob("rollouts.rank*.jsonl")):
-            for line in f.read_text().splitlines():
-                d = json.loads(line)
-                out[(d["step"], d["sequence"])] = (d["completion_ids"], d["exit_loops"], d["logprobs"])
-        return out
-
-    r1, r2 = records(whole), records(micro)
+    r1, r2 = logged_rollouts(whole), logged_rollouts(micro)
     assert r1.keys() == r2.keys() and len(r1) == 2 * 2 * 2, (sorted(r1), sorted(r2))
     for key in r1:
         assert r1[key][:2] == r2[key][:2], f"{key}: tokens or exits differ: {r1[key]} vs {r2[key]}"
