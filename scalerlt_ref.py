@@ -1330,10 +1330,8 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     """An HF Ouro config.json dict translated: metadata skipped, OuroConfig's defaults filled in, other math refused."""
     for key, types in _HF_KEY_TYPES.items():  # each key's type first: a list where an object belongs is an error
         if key in d and not isinstance(d[key], types):
-            raise ValueError(
-                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
-                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
-            )
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{source}: key {key!r} = {d[key]!r} has the wrong type (expected {expected})")
     if not all(isinstance(x, str) for x in d.get("layer_types") or []):
         raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
     eos = d.get("eos_token_id")
