@@ -2071,6 +2071,7 @@ _SAVED = {
     "checkpointed": lambda e, C, I, kvw, HT: (5.2 * e + 7.9) * C + 3.4 * e * kvw,  # the checkpoints' inputs
     "dense": lambda e, C, I, kvw, HT: (13.5 * e + 5) * C + 4.6 * e * I + (4 + 3 * (e < 4)) * HT,  # + attention
 }
+STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")  # a whole step
 
 
 def memory_plan(
@@ -2088,52 +2089,39 @@ def memory_plan(
     device: str = "cpu",
 ) -> dict[str, int]:
     """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as
-    `train` runs it: the state that lives through it, then each phase's own peak on top of the state.
-
-    State: weights; bfloat16: float32 masters, the exporter's start copy (and residuals for error-feedback);
-    AdamW's two moments (float32); gradients; the KL reference (beta > 0). Phases: the rollout (and the
-    replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the teacher-
-    forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
-    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
-    Returns every part, each phase and "peak"."""
-    sizes, e, cuda = (
-        [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()],
-        dtype.itemsize,
-        "cuda" in str(device),
-    )
-    P, largest = sum(sizes), max(sizes)
+    `train` runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak".
+    Phases: the rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd
+    keeps, the teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its
+    float32 gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight)."""
+    sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
+    P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
     chunk = rollout_batch if 0 < rollout_batch < sequences else sequences
     mb = micro_batch if 0 < micro_batch < sequences else sequences
-    kv = kv_cache_bytes_per_token(cfg, dtype)["total"]
-    saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](
-        e, C, I, cfg.num_key_value_heads * cfg.head_dim, H * T
-    )
+    kv, kvw = kv_cache_bytes_per_token(cfg, dtype)["total"], cfg.num_key_value_heads * cfg.head_dim
+    saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](e, C, I, kvw, H * T)
     per_token = LR * saved + (5.5 * e + 17) * C  # every position; the readout's below, completion tokens only
     plan = {
         "weights": P * e,
-        "masters": 4 * P * low,
-        "start_copy": P * e * low,
+        "masters": 4 * P * low,  # bfloat16: float32 masters
+        "start_copy": P * e * low,  # bfloat16: the exporter's start copy
         "residuals": 4 * P * (low and rounding == "error-feedback"),
-        "adamw": 8 * P,
+        "adamw": 8 * P,  # its two moments, float32
         "gradients": P * e,
         "kl_reference": P * e * (beta > 0),
         "rollout_cache": chunk * T * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
         "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
     }
-    state = sum(
-        plan[k] for k in ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
-    )
+    state = sum(plan[k] for k in STATE_PARTS)
     phases = {"state": state} | {k: state + plan[k] for k in ("rollout_cache", "learner", "step")}
     return plan | {"phase_" + k: v for k, v in phases.items()} | {"peak": max(phases.values())}
 
 
 def plan_lines(plan: dict[str, int]) -> list[str]:
     """A plan as three lines: the state's parts, each phase's peak, the step's peak."""
-    state = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
-    parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(plan[k])}" for k in state if plan[k])
+    parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(plan[k])}" for k in STATE_PARTS if plan[k])
     phases = ", ".join(f"{k.replace('_', ' ')} +{_fmt_bytes(plan[k])}" for k in ("rollout_cache", "learner", "step"))
     return [
         f"state {_fmt_bytes(plan['phase_state'])} ({parts})",
