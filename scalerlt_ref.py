@@ -2322,15 +2322,9 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
     prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
     k = cfg.rollout_batch or len(prompts)  # chunks of k sequences: each its own rollout, schedule and replay
+    run = dict(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     chunks = [
-        rollout(
-            model,
-            prompts[i : i + k],
-            policy,
-            max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed,
-            sequence_ids=gids[i : i + k],
-        )
+        rollout(model, prompts[i : i + k], policy, **run, sequence_ids=gids[i : i + k])
         for i in range(0, len(prompts), k)
     ]
     ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
