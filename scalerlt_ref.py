@@ -2474,24 +2474,12 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
 
 def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: int, say: Callable) -> None:
     """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
-    grpo, sequences = cfg.grpo(), cfg.prompts_per_step // world * cfg.group_size
-    plan = memory_plan(
-        model.config,
-        model.dtype,
-        sequences=sequences,
-        prompt_len=prompt_len,
-        new_tokens=cfg.max_new_tokens,
-        rollout_batch=cfg.rollout_batch,
-        micro_batch=grpo.micro_batch,
-        grad_checkpoint=grpo.grad_checkpoint,
-        beta=grpo.beta,
-        rounding=cfg.export_rounding,
-        device=model.device,
-    )
-    say(
-        f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: "
-        + "; ".join(plan_lines(plan))
-    )
+    sequences = cfg.prompts_per_step // world * cfg.group_size
+    step = dict(sequences=sequences, prompt_len=prompt_len, new_tokens=cfg.max_new_tokens)
+    settings = {k: getattr(cfg, k) for k in ("rollout_batch", "micro_batch", "grad_checkpoint", "beta")}
+    plan = memory_plan(model.config, model.dtype, **step, **settings, rounding=cfg.export_rounding, device=model.device)
+    text = "; ".join(plan_lines(plan))
+    say(f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
     if model.device.type != "cuda":
         return
     room = torch.cuda.mem_get_info(model.device)[0] + torch.cuda.memory_reserved(model.device)  # ours: in the state
