@@ -2967,15 +2967,13 @@ def _rule_exits(gates: torch.Tensor, ran: torch.Tensor, opts: VerifyOptions) -> 
 def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
     """`verify_records` for records of one sampling (`_sampling`), in one teacher-forced pass of all of them."""
     ro = records_rollout(recs, opts)
-    # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), so that
-    # the results do not depend on the batch.
+    # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), batch-proof
     uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
     for b, (i, c) in enumerate(zip(indices, ro.completions)):
         gen = torch.Generator().manual_seed(sampler_seed(opts.seed, i))
         uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
     lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, _sampling(recs[0])[3] == "raw")
-    # The rule at every producing position at once, on the reference's gates rounded to the engine's dtype: an
-    # engine decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
+    # The rule at every producing position, on the reference's gates in the engine's dtype (as the engine decides)
     rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
     rule_exits = torch.full(ro.mask.shape, -1, dtype=torch.long)  # (B, N) -1: undecided
     rule_exits[ro.mask] = _rule_exits(rule_gates[ro.mask], ran[ro.mask], opts)
