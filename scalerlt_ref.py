@@ -3111,24 +3111,14 @@ def _abs_quantiles(diff: torch.Tensor) -> dict | None:
     return quantiles | {"max": float(ranked[-1])}
 
 
-def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor, exits) -> dict:
-    """The summary's statistics of recorded - reference log-probs over all tokens: delta, exits (all tokens,)."""
-    diff, n, ratio = delta.abs(), delta.numel(), delta.exp()
-    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
-    return {  # None or {} without tokens
-        "exit_agreement": agree / n if n else None,
-        "abs_diff_quantiles": _abs_quantiles(diff),
-        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
-        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
-    }
-
-
 def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, cal=None) -> dict:
     """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"), judged at opts' tolerances and, with
     a `Calibration` `cal`, by its rank and flip tests too. "passed": no check in "failed_checks"."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    diff, n, ratio = delta.abs(), delta.numel(), delta.exp()  # (all tokens,)
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
     pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])  # (sampled tokens,)
     ks, p_value = ks_uniform(pit) if pit.numel() else (None, None)
     exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
@@ -3136,14 +3126,17 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     first_violation = next(({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None)
     s = {
         "sequences": len(records),
-        "tokens": int(delta.numel()),
-        "max_abs_diff": float(delta.abs().max()) if delta.numel() else 0.0,
+        "tokens": n,
+        "max_abs_diff": float(diff.max()) if n else 0.0,
         "mismatched_tokens": sum(len(f.logprobs) for f in fails),
         "exit_rule_violations": sum(len(f.violations) for f in fails),
         "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
         "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
         "first_violation": first_violation,
-        **_diff_statistics(records, results, delta, exits),
+        "exit_agreement": agree / n if n else None,  # this and the next three: None or {} without tokens
+        "abs_diff_quantiles": _abs_quantiles(diff),
+        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
+        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
         "sampler_tokens": int(pit.numel()),
         "sampler_ks_statistic": ks,
         "sampler_p_value": p_value,
@@ -3163,7 +3156,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     failing |= {"exit_rule": s["exit_rule_violations"], "greedy": s["greedy_mismatches"]}
     failing |= {"stop": s["tokens_after_stop"], "sampler": p_value is not None and p_value < opts.sampler_alpha}
     if cal is not None:
-        tests = cal.rank_tests(delta.abs(), exits)
+        tests = cal.rank_tests(diff, exits)
         rank_p = min([t["p_value"] for t in tests.values()], default=None)
         c = {"dtype": str(cal.dtype).removeprefix("torch."), "layouts": cal.layouts}
         c |= {"abs_diff_quantiles": _abs_quantiles(torch.cat(cal.diffs)), "max_abs_exit_diff": cal.max_exit_diff}
