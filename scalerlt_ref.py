@@ -2088,11 +2088,11 @@ def memory_plan(
     rounding: str = "stochastic",
     device: str = "cpu",
 ) -> dict[str, int]:
-    """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as
-    `train` runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak".
-    Phases: the rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd
-    keeps, the teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its
-    float32 gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight)."""
+    """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
+    runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak". Phases: the
+    rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
+    teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
+    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight)."""
     sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
