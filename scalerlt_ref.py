@@ -3623,6 +3623,8 @@ def cmd_bench(args) -> int:
     )
     if s.real:
         print(
+    step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
+    mine = dict(rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
             "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
             "--new-tokens, not --cache-prompt + --cache-tokens)",
@@ -3630,10 +3632,6 @@ def cmd_bench(args) -> int:
         )
 
     for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
-        step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
-        mine = dict(
-            rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint
-        )
         for what, settings in (("memory plan", mine), ("  without them", {})):
             plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
             print(f"  {dtype_name:<9} {what:<26} {'; '.join(plan_lines(plan))}", flush=True)
