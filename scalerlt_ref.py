@@ -2705,8 +2705,7 @@ class VerifyOptions:
     def for_engine(
         cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, calibrate="auto", **kw
     ) -> VerifyOptions:
-        """Options for an engine that computed in `engine_dtype` (ENGINE_TOLERANCES): its tolerances unless given, the
-        exit rule evaluated in its dtype, and calibrate "auto" (below float32), "on" or "off"."""
+        """Options for an engine that computed in `engine_dtype`: its ENGINE_TOLERANCES unless given, the rule in it."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
         atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
         dtype = getattr(torch, engine_dtype)
