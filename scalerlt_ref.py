@@ -2636,8 +2636,7 @@ def _first_outside(xs: list, lo: int, hi: int) -> str | None:
 
 def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     """Read and validate rollout records; any problem is a ValueError naming the file and 1-based line."""
-    path, R, V = Path(path), cfg.total_ut_steps, cfg.vocab_size
-    records = []
+    path, R, V, records = Path(path), cfg.total_ut_steps, cfg.vocab_size, []
     for lineno, d in read_jsonl(path):
 
         def need(ok: bool, problem: str) -> None:
