@@ -2266,8 +2266,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW and the export one weight at a time: one float32 gradient lives at once (AdamW steps each weight
-        on its own: the same bits as one step of all)."""
+        """AdamW and the export, a weight at a time: one float32 gradient at once, the same bits as one step of all."""
         for i, (m, c) in enumerate(zip(self.masters, self.copies)):
             if c.grad is not None:
                 m.grad, c.grad = c.grad.float(), None
@@ -2493,8 +2492,7 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
 
 
 def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft: dict | None = None) -> dict:
-    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords.
-    Returns {"model", "tokenizer", "history"}."""
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords."""
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
@@ -3000,8 +2998,7 @@ def verify_records(
     """Recompute records teacher-forced (model dtype), `opts.batch_size` of one sampling a pass: each token's log-prob
     at its recorded exit loop, the exit rule (on gates rounded to `opts.rule_dtype`), the sampler test (`sampler_seed`
     of opts.seed and first_index + i). A ValueError or NonFiniteError carries the failing record's index as `.index`."""
-    if opts.threshold is None:
-        opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
+    opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
     empty = torch.zeros(0, dtype=torch.float64)  # nothing was generated: nothing to recompute
     results = {i: VerifyResult.of(rec, empty, empty, empty) for i, rec in enumerate(recs) if not rec["completion_ids"]}
     for chunk in _batches(recs, opts.batch_size):
@@ -3110,8 +3107,7 @@ def _abs_quantiles(diff: torch.Tensor) -> dict | None:
 
 
 def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, cal=None) -> dict:
-    """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"), judged at opts' tolerances and, with
-    a `Calibration` `cal`, by its rank and flip tests too. "passed": no check in "failed_checks"."""
+    """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"): opts' tolerances, `cal`'s tests."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
     diff, n, ratio = delta.abs(), delta.numel(), delta.exp()  # (all tokens,)
@@ -3621,14 +3617,14 @@ def cmd_bench(args) -> int:
     )
     if s.real:
         print(
-    step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
-    mine = dict(rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
             "  (--model: no GRPO step (its AdamW state would be two more copies of the weights); the learner's "
             "fwd+bwd runs once; replay times the rollouts above; the KV-cache comparison runs the short prompt + "
             "--new-tokens, not --cache-prompt + --cache-tokens)",
             flush=True,
         )
 
+    step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
+    mine = dict(rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
     for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
         for what, settings in (("memory plan", mine), ("  without them", {})):
             plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
