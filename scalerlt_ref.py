@@ -1302,10 +1302,8 @@ def config_from_hf(d: dict, source: str = "<dict>") -> Config:
     """An HF Ouro config.json dict translated: metadata skipped, OuroConfig's defaults filled in, other math refused."""
     for key, types in _HF_KEY_TYPES.items():  # each key's type first: a list where an object belongs is an error
         if key in d and not isinstance(d[key], types):
-            raise ValueError(
-                f"{source}: key {key!r} = {d[key]!r} has the wrong type "
-                f"(expected {' or '.join('null' if t is type(None) else t.__name__ for t in types)})"
-            )
+            expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"{source}: key {key!r} = {d[key]!r} has the wrong type (expected {expected})")
     if not all(isinstance(x, str) for x in d.get("layer_types") or []):
         raise ValueError(f"{source}: key 'layer_types' must be a list of strings")
     eos = d.get("eos_token_id")
@@ -2045,6 +2043,7 @@ _SAVED = {
     "checkpointed": lambda e, C, I, kvw, HT: (5.2 * e + 7.9) * C + 3.4 * e * kvw,  # the checkpoints' inputs
     "dense": lambda e, C, I, kvw, HT: (13.5 * e + 5) * C + 4.6 * e * I + (4 + 3 * (e < 4)) * HT,  # + attention
 }
+STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")  # a whole step
 
 
 def memory_plan(
@@ -2061,53 +2060,40 @@ def memory_plan(
     rounding: str = "stochastic",
     device: str = "cpu",
 ) -> dict[str, int]:
-    """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as
-    `train` runs it: the state that lives through it, then each phase's own peak on top of the state.
-
-    State: weights; bfloat16: float32 masters, the exporter's start copy (and residuals for error-feedback);
-    AdamW's two moments (float32); gradients; the KL reference (beta > 0). Phases: the rollout (and the
-    replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the teacher-
-    forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
-    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
-    Returns every part, each phase and "peak"."""
-    sizes, e, cuda = (
-        [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()],
-        dtype.itemsize,
-        "cuda" in str(device),
-    )
-    P, largest = sum(sizes), max(sizes)
+    """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
+    runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak". Phases: the
+    rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
+    teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
+    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight)."""
+    sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
+    P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
     chunk = rollout_batch if 0 < rollout_batch < sequences else sequences
     mb = micro_batch if 0 < micro_batch < sequences else sequences
-    kv = kv_cache_bytes_per_token(cfg, dtype)["total"]
-    saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](
-        e, C, I, cfg.num_key_value_heads * cfg.head_dim, H * T
-    )
+    kv, kvw = kv_cache_bytes_per_token(cfg, dtype)["total"], cfg.num_key_value_heads * cfg.head_dim
+    saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](e, C, I, kvw, H * T)
     per_token = LR * saved + (5.5 * e + 17) * C  # every position; the readout's below, completion tokens only
     plan = {
         "weights": P * e,
-        "masters": 4 * P * low,
-        "start_copy": P * e * low,
+        "masters": 4 * P * low,  # bfloat16: float32 masters
+        "start_copy": P * e * low,  # bfloat16: the exporter's start copy
         "residuals": 4 * P * (low and rounding == "error-feedback"),
-        "adamw": 8 * P,
+        "adamw": 8 * P,  # its two moments, float32
         "gradients": P * e,
         "kl_reference": P * e * (beta > 0),
         "rollout_cache": chunk * T * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
         "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
     }
-    state = sum(
-        plan[k] for k in ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
-    )
+    state = sum(plan[k] for k in STATE_PARTS)
     phases = {"state": state} | {k: state + plan[k] for k in ("rollout_cache", "learner", "step")}
     return plan | {"phase_" + k: v for k, v in phases.items()} | {"peak": max(phases.values())}
 
 
 def plan_lines(plan: dict[str, int]) -> list[str]:
     """A plan as three lines: the state's parts, each phase's peak, the step's peak."""
-    state = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")
-    parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(plan[k])}" for k in state if plan[k])
+    parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(plan[k])}" for k in STATE_PARTS if plan[k])
     phases = ", ".join(f"{k.replace('_', ' ')} +{_fmt_bytes(plan[k])}" for k in ("rollout_cache", "learner", "step"))
     return [
         f"state {_fmt_bytes(plan['phase_state'])} ({parts})",
@@ -2252,8 +2238,7 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self) -> None:
-        """AdamW and the export one weight at a time: one float32 gradient lives at once (AdamW steps each weight
-        on its own: the same bits as one step of all)."""
+        """AdamW and the export, a weight at a time: one float32 gradient at once, the same bits as one step of all."""
         for i, (m, c) in enumerate(zip(self.masters, self.copies)):
             if c.grad is not None:
                 m.grad, c.grad = c.grad.float(), None
@@ -2308,15 +2293,9 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
     prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
     k = cfg.rollout_batch or len(prompts)  # chunks of k sequences: each its own rollout, schedule and replay
+    run = dict(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     chunks = [
-        rollout(
-            model,
-            prompts[i : i + k],
-            policy,
-            max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed,
-            sequence_ids=gids[i : i + k],
-        )
+        rollout(model, prompts[i : i + k], policy, **run, sequence_ids=gids[i : i + k])
         for i in range(0, len(prompts), k)
     ]
     ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
@@ -2466,24 +2445,12 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
 
 def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: int, say: Callable) -> None:
     """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
-    grpo, sequences = cfg.grpo(), cfg.prompts_per_step // world * cfg.group_size
-    plan = memory_plan(
-        model.config,
-        model.dtype,
-        sequences=sequences,
-        prompt_len=prompt_len,
-        new_tokens=cfg.max_new_tokens,
-        rollout_batch=cfg.rollout_batch,
-        micro_batch=grpo.micro_batch,
-        grad_checkpoint=grpo.grad_checkpoint,
-        beta=grpo.beta,
-        rounding=cfg.export_rounding,
-        device=model.device,
-    )
-    say(
-        f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: "
-        + "; ".join(plan_lines(plan))
-    )
+    sequences = cfg.prompts_per_step // world * cfg.group_size
+    step = dict(sequences=sequences, prompt_len=prompt_len, new_tokens=cfg.max_new_tokens)
+    settings = {k: getattr(cfg, k) for k in ("rollout_batch", "micro_batch", "grad_checkpoint", "beta")}
+    plan = memory_plan(model.config, model.dtype, **step, **settings, rounding=cfg.export_rounding, device=model.device)
+    text = "; ".join(plan_lines(plan))
+    say(f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
     if model.device.type != "cuda":
         return
     room = torch.cuda.mem_get_info(model.device)[0] + torch.cuda.memory_reserved(model.device)  # ours: in the state
@@ -2497,8 +2464,7 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
 
 
 def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = None, sft: dict | None = None) -> dict:
-    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords.
-    Returns {"model", "tokenizer", "history"}."""
+    """GRPO as `cfg` says; `on_start(model, tok)` runs before step 1, `sft` more `sft_warm_start` keywords."""
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
@@ -2640,8 +2606,7 @@ def _first_outside(xs: list, lo: int, hi: int) -> str | None:
 
 def read_records(path: str | os.PathLike, cfg: Config) -> list[dict]:
     """Read and validate rollout records; any problem is a ValueError naming the file and 1-based line."""
-    path, R, V = Path(path), cfg.total_ut_steps, cfg.vocab_size
-    records = []
+    path, R, V, records = Path(path), cfg.total_ut_steps, cfg.vocab_size, []
     for lineno, d in read_jsonl(path):
 
         def need(ok: bool, problem: str) -> None:
@@ -2709,8 +2674,7 @@ class VerifyOptions:
     def for_engine(
         cls, engine_dtype: str, atol: float | None = None, flip_margin: float | None = None, calibrate="auto", **kw
     ) -> VerifyOptions:
-        """Options for an engine that computed in `engine_dtype` (ENGINE_TOLERANCES): its tolerances unless given, the
-        exit rule evaluated in its dtype, and calibrate "auto" (below float32), "on" or "off"."""
+        """Options for an engine that computed in `engine_dtype`: its ENGINE_TOLERANCES unless given, the rule in it."""
         a, m = ENGINE_TOLERANCES[engine_dtype]
         atol, flip_margin = a if atol is None else atol, m if flip_margin is None else flip_margin
         dtype = getattr(torch, engine_dtype)
@@ -2971,15 +2935,13 @@ def _rule_exits(gates: torch.Tensor, ran: torch.Tensor, opts: VerifyOptions) -> 
 def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: VerifyOptions) -> list[VerifyResult]:
     """`verify_records` for records of one sampling (`_sampling`), in one teacher-forced pass of all of them."""
     ro = records_rollout(recs, opts)
-    # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), so that
-    # the results do not depend on the batch.
+    # The sampler test's uniforms: each sequence's own stream (`sampler_seed` of its index in the file), batch-proof
     uniforms = torch.zeros(ro.mask.shape, dtype=torch.float64)  # (B, N)
     for b, (i, c) in enumerate(zip(indices, ro.completions)):
         gen = torch.Generator().manual_seed(sampler_seed(opts.seed, i))
         uniforms[b, : len(c)] = torch.rand(len(c), generator=gen, dtype=torch.float64)
     lp, exit_lp, gates, ran, policy = _teacher_force(model, ro, uniforms, _sampling(recs[0])[3] == "raw")
-    # The rule at every producing position at once, on the reference's gates rounded to the engine's dtype: an
-    # engine decides from gates in its own dtype, and HF's arithmetic rounds differently in each.
+    # The rule at every producing position, on the reference's gates in the engine's dtype (as the engine decides)
     rule_gates = gates.to(opts.rule_dtype or gates.dtype)  # (B, N, R)
     rule_exits = torch.full(ro.mask.shape, -1, dtype=torch.long)  # (B, N) -1: undecided
     rule_exits[ro.mask] = _rule_exits(rule_gates[ro.mask], ran[ro.mask], opts)
@@ -3008,8 +2970,7 @@ def verify_records(
     """Recompute records teacher-forced (model dtype), `opts.batch_size` of one sampling a pass: each token's log-prob
     at its recorded exit loop, the exit rule (on gates rounded to `opts.rule_dtype`), the sampler test (`sampler_seed`
     of opts.seed and first_index + i). A ValueError or NonFiniteError carries the failing record's index as `.index`."""
-    if opts.threshold is None:
-        opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold)
+    opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
     empty = torch.zeros(0, dtype=torch.float64)  # nothing was generated: nothing to recompute
     results = {i: VerifyResult.of(rec, empty, empty, empty) for i, rec in enumerate(recs) if not rec["completion_ids"]}
     for chunk in _batches(recs, opts.batch_size):
@@ -3117,24 +3078,13 @@ def _abs_quantiles(diff: torch.Tensor) -> dict | None:
     return quantiles | {"max": float(ranked[-1])}
 
 
-def _diff_statistics(records: list[dict], results: list[VerifyResult], delta: torch.Tensor, exits) -> dict:
-    """The summary's statistics of recorded - reference log-probs over all tokens: delta, exits (all tokens,)."""
-    diff, n, ratio = delta.abs(), delta.numel(), delta.exp()
-    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
-    return {  # None or {} without tokens
-        "exit_agreement": agree / n if n else None,
-        "abs_diff_quantiles": _abs_quantiles(diff),
-        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
-        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
-    }
-
-
 def verify_summary(records: list[dict], results: list[VerifyResult], opts: VerifyOptions, cal=None) -> dict:
-    """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"), judged at opts' tolerances and, with
-    a `Calibration` `cal`, by its rank and flip tests too. "passed": no check in "failed_checks"."""
+    """`verify`'s verdict and JSON summary (README: "Checking a bfloat16 engine"): opts' tolerances, `cal`'s tests."""
     fails = [res.failures(opts.atol, opts.flip_margin) for res in results]
     delta = torch.cat([r.delta for r in results]) if results else torch.zeros(0)  # (all tokens,)
+    diff, n, ratio = delta.abs(), delta.numel(), delta.exp()  # (all tokens,)
     exits = torch.tensor([e for rec in records for e in rec["exit_loops"]], dtype=torch.long)  # (all tokens,)
+    agree = sum(len(rec["exit_loops"]) - len(res.violations) for rec, res in zip(records, results))
     pit = torch.cat([r.pit for r in results if r.pit is not None] or [torch.zeros(0)])  # (sampled tokens,)
     ks, p_value = ks_uniform(pit) if pit.numel() else (None, None)
     exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
@@ -3142,14 +3092,17 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     first_violation = next(({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None)
     s = {
         "sequences": len(records),
-        "tokens": int(delta.numel()),
-        "max_abs_diff": float(delta.abs().max()) if delta.numel() else 0.0,
+        "tokens": n,
+        "max_abs_diff": float(diff.max()) if n else 0.0,
         "mismatched_tokens": sum(len(f.logprobs) for f in fails),
         "exit_rule_violations": sum(len(f.violations) for f in fails),
         "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
         "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
         "first_violation": first_violation,
-        **_diff_statistics(records, results, delta, exits),
+        "exit_agreement": agree / n if n else None,  # this and the next three: None or {} without tokens
+        "abs_diff_quantiles": _abs_quantiles(diff),
+        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
+        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
         "sampler_tokens": int(pit.numel()),
         "sampler_ks_statistic": ks,
         "sampler_p_value": p_value,
@@ -3169,7 +3122,7 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     failing |= {"exit_rule": s["exit_rule_violations"], "greedy": s["greedy_mismatches"]}
     failing |= {"stop": s["tokens_after_stop"], "sampler": p_value is not None and p_value < opts.sampler_alpha}
     if cal is not None:
-        tests = cal.rank_tests(delta.abs(), exits)
+        tests = cal.rank_tests(diff, exits)
         rank_p = min([t["p_value"] for t in tests.values()], default=None)
         c = {"dtype": str(cal.dtype).removeprefix("torch."), "layouts": cal.layouts}
         c |= {"abs_diff_quantiles": _abs_quantiles(torch.cat(cal.diffs)), "max_abs_exit_diff": cal.max_exit_diff}
@@ -3642,11 +3595,9 @@ def cmd_bench(args) -> int:
             flush=True,
         )
 
+    step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
+    mine = dict(rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
     for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
-        step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
-        mine = dict(
-            rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint
-        )
         for what, settings in (("memory plan", mine), ("  without them", {})):
             plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
             print(f"  {dtype_name:<9} {what:<26} {'; '.join(plan_lines(plan))}", flush=True)
