@@ -2047,19 +2047,10 @@ STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradie
 
 
 def memory_plan(
-    cfg: Config,
-    dtype: torch.dtype,
-    *,
-    sequences: int,
-    prompt_len: int,
-    new_tokens: int,
-    rollout_batch: int = 0,
-    micro_batch: int = 0,
-    grad_checkpoint: bool = False,
-    beta: float = 0.0,
-    rounding: str = "stochastic",
-    device: str = "cpu",
-) -> dict[str, int]:
+    cfg: Config, dtype: torch.dtype, *, sequences: int, prompt_len: int, new_tokens: int,
+    rollout_batch: int = 0, micro_batch: int = 0, grad_checkpoint: bool = False,
+    beta: float = 0.0, rounding: str = "stochastic", device: str = "cpu",
+) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
     runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak". Phases: the
     rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
@@ -2115,15 +2106,11 @@ EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copie
 class TrainConfig:
     """Everything `train` needs, one flag per field (`_` written `-`); the demo is a preset of it (`DEMO_PRESET`)."""
 
-    config: str = _flag(
-        str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)", path="file", exclusive="optional"
-    )
-    model: str | None = _flag(
-        None,
-        "HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)",
-        path="folder",
-        exclusive="optional",
-    )
+    # fmt: off
+    config: str = _flag(str(CONFIGS / "tiny.json"), "model config JSON (random init + warm start)",
+        path="file", exclusive="optional")
+    model: str | None = _flag(None, "HF Ouro checkpoint folder (config.json, safetensors, tokenizer.json)",
+        path="folder", exclusive="optional")
     data: str | None = _flag(None, "GSM8K JSONL file (default: the built-in arithmetic task)", path="file")
     subset: int | None = _flag(None, "use a seeded random subset of this many problems", within=(1, MAX_COUNT))
     steps: int = _flag(20, "GRPO steps", within=(1, 10**9))
@@ -2138,18 +2125,16 @@ class TrainConfig:
     top_p: float = _flag(1.0, TOP_P_HELP, within=(0.0, 1.0, "(]"))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
     exit_rule: str = _flag("survival", "exit rule (hf: Hugging Face modeling_ouro's arithmetic)", choices=EXIT_RULES)
-    exit_policy: str = _flag(
-        "threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)", choices=EXIT_POLICIES
-    )
+    exit_policy: str = _flag("threshold", "exit policy (sampled: exits drawn from the gates, learned by GRPO)",
+        choices=EXIT_POLICIES)
     loop_cost: float = _flag(0.0, "reward -= this x the sequence's mean exit loop (0: plain GRPO)", within=(0.0, 1e3))
     stop_required: bool = _flag(False, "a completion cut by --max-new-tokens, no stop id, scores 0 (DAPO's overlong)")
     drop_tied: bool = _flag(False, "the loss leaves out every group whose rewards all tie (DAPO's filter, no refill)")
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics (invariant: slow, batch-proof)", choices=NUMERICS)
     dtype: str = _flag("float32", "model dtype (bfloat16: float32 master weights)", choices=tuple(DTYPES))
-    export_rounding: str = _flag(
-        "stochastic", "bfloat16: how the copy is exported from the masters after every step", choices=EXPORT_ROUNDINGS
-    )
+    export_rounding: str = _flag("stochastic", "bfloat16: how the copy is exported from the masters after every step",
+        choices=EXPORT_ROUNDINGS)
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
     lr: float = _flag(1e-3, "AdamW learning rate (the peak, with a schedule)", within=(0.0, 1.0, "(]"))
@@ -2163,22 +2148,20 @@ class TrainConfig:
     scale_rewards: str = _flag("group", "advantage scaling", choices=SCALE_REWARDS)
     loss_agg: str = _flag("token_mean", "loss aggregation", choices=LOSS_AGGREGATIONS)
     mu: int = _flag(1, "inner iterations per batch of rollouts", within=(1, 1000))
-    micro_batch: int = _flag(
-        0, "sequences per backward, gradients accumulated (0: the whole step)", within=(0, MAX_COUNT)
-    )
+    micro_batch: int = _flag(0, "sequences per backward, gradients accumulated (0: the whole step)",
+        within=(0, MAX_COUNT))
     grad_checkpoint: bool = _flag(False, "teacher forcing recomputes each layer in backward (activation checkpointing)")
-    rollout_batch: int = _flag(
-        0, "sequences per rollout chunk, each replayed on its own (0: the whole step)", within=(0, MAX_COUNT)
-    )
+    rollout_batch: int = _flag(0, "sequences per rollout chunk, each replayed on its own (0: the whole step)",
+        within=(0, MAX_COUNT))
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
     reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness or 'digits' (smoke tests)", choices=REWARDS)
     log_rollouts: bool = _flag(False, "append every rollout record to OUT/rollouts.rankN.jsonl")
-    out: str | None = _flag(
-        None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl", out="folder"
-    )
+    out: str | None = _flag(None, "output folder: model.safetensors, config.json, trainer_state.pt, metrics.jsonl",
+        out="folder")
     save_every: int = _flag(10, "checkpoint every N steps (and at the end)", within=(1, 10**9))
     resume: bool = _flag(False, "continue from OUT/trainer_state.pt")
+    # fmt: on
 
     def policy(self, stop_ids: tuple[int, ...]) -> Policy:
         return Policy(**flag_fields(Policy, self) | {"stop_ids": stop_ids})
@@ -2960,13 +2943,9 @@ def _verify_batch(model: LoopedLM, recs: list[dict], indices: list[int], opts: V
 
 
 def verify_records(
-    model: LoopedLM,
-    recs: list[dict],
-    opts: VerifyOptions = VerifyOptions(),
-    *,
-    first_index: int = 0,
-    on_batch: Callable[[int], None] | None = None,
-) -> list[VerifyResult]:
+    model: LoopedLM, recs: list[dict], opts: VerifyOptions = VerifyOptions(), *,
+    first_index: int = 0, on_batch: Callable[[int], None] | None = None,
+) -> list[VerifyResult]:  # fmt: skip
     """Recompute records teacher-forced (model dtype), `opts.batch_size` of one sampling a pass: each token's log-prob
     at its recorded exit loop, the exit rule (on gates rounded to `opts.rule_dtype`), the sampler test (`sampler_seed`
     of opts.seed and first_index + i). A ValueError or NonFiniteError carries the failing record's index as `.index`."""
@@ -3090,34 +3069,23 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     exit_diffs = [r.exit_diff for r in results if r.exit_diff is not None]
     exit_maxima = [float(d.max()) for d in exit_diffs if d.numel()]
     first_violation = next(({"sequence": i, **f.violations[0]} for i, f in enumerate(fails) if f.violations), None)
-    s = {
-        "sequences": len(records),
-        "tokens": n,
-        "max_abs_diff": float(diff.max()) if n else 0.0,
-        "mismatched_tokens": sum(len(f.logprobs) for f in fails),
-        "exit_rule_violations": sum(len(f.violations) for f in fails),
-        "first_mismatch": _first_mismatch(records, results, fails, "logprobs"),
-        "near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails)),
-        "first_violation": first_violation,
-        "exit_agreement": agree / n if n else None,  # this and the next three: None or {} without tokens
-        "abs_diff_quantiles": _abs_quantiles(diff),
-        "max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))},
-        "ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n},
-        "sampler_tokens": int(pit.numel()),
-        "sampler_ks_statistic": ks,
-        "sampler_p_value": p_value,
-        "greedy_tokens": sum(r.greedy_gap.numel() for r in results if r.greedy_gap is not None),
-        "greedy_mismatches": sum(len(f.greedy) for f in fails),
-        "tokens_after_stop": sum(len(f.after_stop) for f in fails),
-        "exit_logprob_tokens": sum(d.numel() for d in exit_diffs),
-        "max_abs_exit_diff": max([0.0] + exit_maxima) if exit_maxima else None,
-        "mismatched_exit_logprobs": sum(len(f.exit_logprobs) for f in fails),
-        "first_exit_mismatch": _first_mismatch(records, results, fails, "exit_logprobs"),
-        "atol": opts.atol,
-        "flip_margin": opts.flip_margin,
-        "sampler_alpha": opts.sampler_alpha,
-        "calibration": None,
-    }
+    failed = {k.name: sum(len(getattr(f, k.name)) for f in fails) for k in dataclasses.fields(Failures)}  # by kind
+    s = {"sequences": len(records), "tokens": n, "max_abs_diff": float(diff.max()) if n else 0.0}
+    s |= {"mismatched_tokens": failed["logprobs"], "exit_rule_violations": failed["violations"]}
+    s |= {"first_mismatch": _first_mismatch(records, results, fails, "logprobs")}
+    s |= {"near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails))}
+    s |= {"first_violation": first_violation, "exit_agreement": agree / n if n else None}  # and below: None, {}
+    s |= {"abs_diff_quantiles": _abs_quantiles(diff)}
+    s |= {"max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))}}
+    s |= {"ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n}}
+    s |= {"sampler_tokens": int(pit.numel()), "sampler_ks_statistic": ks, "sampler_p_value": p_value}
+    s |= {"greedy_tokens": sum(r.greedy_gap.numel() for r in results if r.greedy_gap is not None)}
+    s |= {"greedy_mismatches": failed["greedy"], "tokens_after_stop": failed["after_stop"]}
+    s |= {"exit_logprob_tokens": sum(d.numel() for d in exit_diffs)}
+    s |= {"max_abs_exit_diff": max([0.0] + exit_maxima) if exit_maxima else None}
+    s |= {"mismatched_exit_logprobs": failed["exit_logprobs"]}
+    s |= {"first_exit_mismatch": _first_mismatch(records, results, fails, "exit_logprobs")}
+    s |= {"atol": opts.atol, "flip_margin": opts.flip_margin, "sampler_alpha": opts.sampler_alpha, "calibration": None}
     failing = {"logprobs": s["mismatched_tokens"], "exit_logprobs": s["mismatched_exit_logprobs"]}
     failing |= {"exit_rule": s["exit_rule_violations"], "greedy": s["greedy_mismatches"]}
     failing |= {"stop": s["tokens_after_stop"], "sampler": p_value is not None and p_value < opts.sampler_alpha}
@@ -3639,28 +3607,26 @@ def cmd_bench(args) -> int:
 class ModelFlags:
     """The flags of a command that loads one model: a checkpoint, or a random model from a config."""
 
+    # fmt: off
     model: str | None = _flag(None, "HF Ouro checkpoint folder", path="folder", exclusive="required")
-    config: str | None = _flag(
-        None, "model config JSON (a random model from --init-seed)", path="file", exclusive="required"
-    )
+    config: str | None = _flag(None, "model config JSON (a random model from --init-seed)",
+        path="file", exclusive="required")
     init_seed: int = _flag(0, "seed of the random model's weights (with --config)", within=(0, MAX_SEED))
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     kv: str = _flag("exact", "KV semantics (last_exited: KV-copy engines)", choices=tuple(KV_POLICIES))
     exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
-    exit_rule: str = _flag(
-        "survival",
-        "exit rule: survival (README, Contract §3) or hf (Hugging Face modeling_ouro's arithmetic, in the model dtype)",
-        choices=EXIT_RULES,
-    )
+    exit_rule: str = _flag("survival", "exit rule: survival (README, Contract §3) or hf (Hugging Face "
+        "modeling_ouro's arithmetic, in the model dtype)", choices=EXIT_RULES)
+    # fmt: on
 
 
 @dataclass
 class RolloutFlags(ModelFlags):
-    prompts: str | None = _flag(
-        None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line', required=True, path="file"
-    )
+    # fmt: off
+    prompts: str | None = _flag(None, 'JSONL: {"prompt_ids": [...]} or {"prompt": "text"} per line',
+        required=True, path="file")
     out: str | None = _flag(None, "records JSONL to write", required=True, out="file")
     mode: str = _flag("deferred", "rollout mode", choices=("dense", "deferred"))
     numerics: str = _flag("fast", "row numerics", choices=NUMERICS)
@@ -3668,105 +3634,71 @@ class RolloutFlags(ModelFlags):
     temperature: float = _flag(1.0, "sampling temperature (0: greedy)", within=(0.0, 100.0))
     top_k: int = _flag(0, TOP_K_HELP, within=(0, MAX_COUNT))
     top_p: float = _flag(1.0, TOP_P_HELP, within=(0.0, 1.0, "(]"))
-    logprob_mode: str = _flag(
-        "processed",
-        "log-probs to write: processed (of the distribution sampled) or raw (vLLM's default)",
-        choices=LOGPROB_MODES,
-    )
+    logprob_mode: str = _flag("processed", "log-probs to write: processed (of the distribution sampled) or raw "
+        "(vLLM's default)", choices=LOGPROB_MODES)
     eos_id: int | None = _flag(None, "one more stop id (added to --stop-ids or their default)", within=(0, MAX_SEED))
     stop_ids: list[int] | None = _flag(None, STOP_IDS_HELP + ")", within=(0, MAX_SEED))
     prompt_format: str = _flag("raw", "a 'prompt' as given, or in the chat template", choices=("raw", "chat"))
     thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
-    exit_policy: str = _flag(
-        "threshold",
-        "threshold (the exit rule) or sampled (exits drawn from the gates; records gain exit_logprobs)",
-        choices=EXIT_POLICIES,
-    )
+    exit_policy: str = _flag("threshold", "threshold (the exit rule) or sampled (exits drawn from the gates; records "
+        "gain exit_logprobs)", choices=EXIT_POLICIES)
+    # fmt: on
 
 
 @dataclass
 class VerifyFlags(ModelFlags):
+    # fmt: off
     dtype: str = _flag("float64", "model dtype", choices=tuple(DTYPES))
     rollouts: str | None = _flag(None, "records JSONL (see README: Checking your engine)", required=True, path="file")
-    engine_dtype: str = _flag(
-        "float32",
-        "the dtype the engine computed in: sets the defaults of --atol and --flip-margin "
-        f"({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype in "
-        "which the exit rule is evaluated on the reference's gates",
-        choices=tuple(ENGINE_TOLERANCES),
-    )
-    atol: float | None = _flag(
-        None, "largest accepted |log-prob difference| (None: --engine-dtype's)", within=(0.0, 1000.0)
-    )
-    flip_margin: float | None = _flag(
-        None,
-        "an exit-rule disagreement with |CDF - threshold| at most this is a near-threshold flip, not a "
-        "failure (None: --engine-dtype's)",
-        within=(0.0, 1.0),
-    )
-    sampler_alpha: float = _flag(
-        1e-3,
-        "fail when the sampler test's p-value (sampled records: are the tokens draws from the policy?) is below this",
-        within=(0.0, 1.0),
-    )
-    calibrate: str = _flag(
-        "auto",
-        "rerun the reference in --engine-dtype on these records; atol, flip margin, rank and flip tests come from it "
-        "(README: Checking a bfloat16 engine). auto: for an --engine-dtype below float32",
-        choices=("auto", "on", "off"),
-    )
+    engine_dtype: str = _flag("float32", "the dtype the engine computed in: sets the defaults of --atol and "
+        f"--flip-margin ({', '.join(f'{k}: {a:g}, {m:g}' for k, (a, m) in ENGINE_TOLERANCES.items())}) and the dtype "
+        "in which the exit rule is evaluated on the reference's gates", choices=tuple(ENGINE_TOLERANCES))
+    atol: float | None = _flag(None, "largest accepted |log-prob difference| (None: --engine-dtype's)",
+        within=(0.0, 1000.0))
+    flip_margin: float | None = _flag(None, "an exit-rule disagreement with |CDF - threshold| at most this is a "
+        "near-threshold flip, not a failure (None: --engine-dtype's)", within=(0.0, 1.0))
+    sampler_alpha: float = _flag(1e-3, "fail when the sampler test's p-value (sampled records: are the tokens draws "
+        "from the policy?) is below this", within=(0.0, 1.0))
+    calibrate: str = _flag("auto", "rerun the reference in --engine-dtype on these records; atol, flip margin, rank "
+        "and flip tests come from it (README: Checking a bfloat16 engine). auto: for an --engine-dtype below float32",
+        choices=("auto", "on", "off"))
     alpha: float = _flag(1e-3, "fail when a calibrated rank or flip test's p-value is below this", within=(0.0, 1.0))
     seed: int = _flag(0, "seed of the sampler test's uniforms", within=(0, MAX_SEED))
     batch_size: int = _flag(16, "sequences per teacher-forced pass", within=(1, MAX_COUNT))
-    plot: str | None = _flag(
-        None,
-        "write a PNG: |log-prob difference| per token, the sampler test's histogram, (calibrated) both |diff|'s spread",
-        out="file",
-    )
+    plot: str | None = _flag(None, "write a PNG: |log-prob difference| per token, the sampler test's histogram, "
+        "(calibrated) both |diff|'s spread", out="file")
+    # fmt: on
 
 
 @dataclass
 class BenchFlags:
+    # fmt: off
     config: str = _flag(str(CONFIGS / "bench.json"), "model config (a random model)", path="file", exclusive="optional")
-    model: str | None = _flag(
-        None,
-        "HF Ouro checkpoint folder: bench its shapes (no GRPO step; a short cache test)",
-        path="folder",
-        exclusive="optional",
-    )
+    model: str | None = _flag(None, "HF Ouro checkpoint folder: bench its shapes (no GRPO step; a short cache test)",
+        path="folder", exclusive="optional")
     dtype: str = _flag("both", "model dtype(s)", choices=("both", "bfloat16", "float32"))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
     batch: int | None = _flag(None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BATCH))
     new_tokens: int = _flag(32, "new tokens per rollout", within=(1, MAX_COUNT))
     cache_tokens: int = _flag(128, "new tokens for the cache comparison", within=(1, MAX_COUNT))
-    cache_prompt: int = _flag(
-        128,
-        "prompt tokens for the cache comparison "
-        "(a GSM8K question is ~100-200 tokens); the short bench prompt is measured too",
-        within=(1, MAX_COUNT),
-    )
+    cache_prompt: int = _flag(128, "prompt tokens for the cache comparison (a GSM8K question is ~100-200 tokens); "
+        "the short bench prompt is measured too", within=(1, MAX_COUNT))
     repeats: int = _flag(3, "alternating repeats (medians are reported)", within=(1, MAX_COUNT))
-    gate_bias: float | None = _flag(
-        None,
-        "set the exit gate's bias (default: 1.0 on the random model, the checkpoint's own with --model)",
-        within=(-math.inf, math.inf),
-    )
+    gate_bias: float | None = _flag(None, "set the exit gate's bias (default: 1.0 on the random model, the "
+        "checkpoint's own with --model)", within=(-math.inf, math.inf))
     exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
-    memory_gb: float | None = _flag(
-        None,
-        "memory for the KV-cache fit (default: the GPU's, or this machine's physical memory)",
-        within=(0.0, math.inf, "()"),
-    )
+    memory_gb: float | None = _flag(None, "memory for the KV-cache fit (default: the GPU's, or this machine's "
+        "physical memory)", within=(0.0, math.inf, "()"))
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
     plan_sequences: int = _flag(64, "the memory plan's GRPO step: sequences (one process)", within=(1, MAX_COUNT))
     plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))
     plan_new_tokens: int = _flag(1024, "the memory plan's new tokens", within=(1, MAX_COUNT))
     micro_batch: int = _flag(1, "the memory plan's sequences per backward (0: the whole step)", within=(0, MAX_COUNT))
-    rollout_batch: int = _flag(
-        0, "the memory plan's sequences per rollout chunk (0: the whole step)", within=(0, MAX_COUNT)
-    )
+    rollout_batch: int = _flag(0, "the memory plan's sequences per rollout chunk (0: the whole step)",
+        within=(0, MAX_COUNT))
     grad_checkpoint: bool = _flag(True, "the memory plan with activation checkpointing (--no-grad-checkpoint: without)")
+    # fmt: on
 
 
 def cmd_train(cfg: TrainConfig) -> int:
