@@ -1,4 +1,4 @@
-"""ScaleRLT reference: exact RL on looped (Ouro-style) language models.
+"""ScaleRLT reference: exact reinforcement learning on looped (Ouro-style) language models.
 
 A looped LM applies one stack of L decoder layers R times ("loops"); after
 every loop an exit gate says how likely the token is to be done, so easy
