@@ -98,13 +98,13 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def by_rows(numerics: str, fn: Callable, *rows: torch.Tensor) -> torch.Tensor:
+def by_rows(numerics: str, fn: Callable, *args) -> torch.Tensor:
     """`fn` of all rows at once ("fast") or of one row at a time ("invariant").
     NOTE: a row alone gets the same bits whatever shares its call (same shapes)."""
     if numerics == "fast":
-        return fn(*rows)
-    n = rows[0].shape[0]
-    return torch.cat([fn(*(x[i : i + 1] for x in rows)) for i in range(n)])
+        return fn(*args)
+    n = args[0].shape[0]
+    return torch.cat([fn(*(x[i : i + 1] for x in args)) for i in range(n)])
 
 
 def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
@@ -490,7 +490,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     NOTE: same call, cache and numerics => same bits: replay rests on this."""
     r, rows = call.loop, Rows.of(call.rows, tokens.device)
     seq, pos = rows.seq, rows.pos
-    # Deferral's invariant: rows done with loop r-1; the K/V they need exist.
+    # Deferral's invariant: rows at depth r-1; then (rows see each other) the K/V they need exist.
     late = (cache.depth[seq, pos] != r - 1).sum()
     x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
     cache.depth[seq, pos] = r
@@ -513,11 +513,11 @@ class ExactKV:
 
     prefill_all_loops = False  # does the prefill run every loop of the prompt?
 
-    def after_readout(self, cache: LoopCache, call: Call, first: torch.Tensor) -> None:
-        """After a call's readout sampled; first (B,): the prompts' last positions."""
+    def after_readout(self, cache: LoopCache, call: Call, prompt_end: torch.Tensor) -> None:
+        """After a call's readout sampled; prompt_end (B,): each prompt's last position."""
 
-    def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
-        """Does teacher forcing run loop r of p (exit e; first: the prompt's end)? Yes."""
+    def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
+        """Does teacher forcing run loop r of position p (its token's exit e)? Yes."""
         return True
 
 
@@ -716,8 +716,8 @@ def rollout(
           5    9  10  11             5    5   6   ·     <- exits at 2: loop 3 never needed
 
     Same tokens, 12 calls or 7. NOTE: riding along is safe: loop r of a position
-    reads only earlier positions' loop-r K/V, brought up to r no later than now
-    (the draw order: README, Contract, "Derivations")."""
+    reads only earlier positions' loop-r K/V, brought up to r no later than now.
+    Same uniforms in both: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -768,7 +768,7 @@ def rollout(
                 e = sample_exits(g, r, R, policy.min_loops, [gens[i] for i in b.tolist()])
             else:
                 e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)
-            exits[b, t] = torch.where(e > 0, e, R + 1)  # 0: still undecided
+            exits[b, t] = torch.where(e > 0, e, R + 1)  # e 0: undecided, R + 1
             call.readout = [call.rows[i] for i in dec[e > 0].tolist()]
             # 4) The rows exiting at loop r read out; each samples its next token.
             if call.readout:
@@ -822,7 +822,7 @@ def execute_schedule(
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
     cache = LoopCache.empty(model, B, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
-    first = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
+    prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
     exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
@@ -830,17 +830,19 @@ def execute_schedule(
         if on_call is not None:
             on_call(call, h)
         if sampled:  # NOTE: the rows the rollout asked, in its order: its gates' bits
-            i_dec = deciding(call.loop, rows.seq, rows.pos, first, exits).nonzero()[:, 0]  # (n_dec,)
-            b, tok_index = rows.seq[i_dec], rows.pos[i_dec] - first[rows.seq[i_dec]]  # (n_dec,) each
-            gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics) if i_dec.numel() else 0
+            i_dec = deciding(call.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+            b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
+            tok_index = rows.pos[i_dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
+            if i_dec.numel():
+                gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
         if on_readout is not None:
             on_readout(call, logp)
         b, p = torch.tensor(call.readout, device=dev).T  # (n_out,) each
-        out[b, p - first[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]  # the recorded token's
-        kv.after_readout(cache, call, first)
+        out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]  # the recorded token's
+        kv.after_readout(cache, call, prompt_end)
     if not sampled:
         return out, torch.zeros_like(out)
     return out, exit_logprob(gates, exits, policy.min_loops)
@@ -2563,10 +2565,11 @@ class LastExitedKV(ExactKV):
 
     prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
 
-    def after_readout(self, cache: LoopCache, call: Call, first: torch.Tensor) -> None:
+    def after_readout(self, cache: LoopCache, call: Call, prompt_end: torch.Tensor) -> None:
         """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
         seq, pos = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
-        seq, pos = seq[pos > first[seq]], pos[pos > first[seq]]  # the generated positions (not a prompt's last)
+        generated = pos > prompt_end[seq]  # (n_out,) not a prompt's last position
+        seq, pos = seq[generated], pos[generated]
         if seq.numel():
             for kv in (cache.k, cache.v):
                 for r in range(call.loop, len(kv)):  # 0-based index r is loop r + 1
@@ -2574,9 +2577,9 @@ class LastExitedKV(ExactKV):
                         kv[r][layer][seq, :, pos] = kv[call.loop - 1][layer][seq, :, pos]
             cache.depth[seq, pos] = len(cache.k)
 
-    def teacher_forced_runs(self, p: int, first: int, e: int, r: int) -> bool:
+    def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
         """A generated position runs only up to its recorded exit loop (its deeper K/V are copies)."""
-        return p <= first or e >= r
+        return p <= prompt_end or e >= r
 
 
 KV_POLICIES["last_exited"] = LastExitedKV()
