@@ -490,7 +490,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     NOTE: same call, cache and numerics => same bits: replay rests on this."""
     r, rows = call.loop, Rows.of(call.rows, tokens.device)
     seq, pos = rows.seq, rows.pos
-    # Deferral's invariant: rows at depth r-1; then (rows see each other) the K/V they need exist.
+    # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
     late = (cache.depth[seq, pos] != r - 1).sum()
     x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
     cache.depth[seq, pos] = r
@@ -768,7 +768,7 @@ def rollout(
                 e = sample_exits(g, r, R, policy.min_loops, [gens[i] for i in b.tolist()])
             else:
                 e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)
-            exits[b, t] = torch.where(e > 0, e, R + 1)  # e 0: undecided, R + 1
+            exits[b, t] = torch.where(e > 0, e, R + 1)  # e = 0 (undecided) is kept as R + 1
             call.readout = [call.rows[i] for i in dec[e > 0].tolist()]
             # 4) The rows exiting at loop r read out; each samples its next token.
             if call.readout:
@@ -831,9 +831,9 @@ def execute_schedule(
             on_call(call, h)
         if sampled:  # NOTE: the rows the rollout asked, in its order: its gates' bits
             i_dec = deciding(call.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
-            b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
-            tok_index = rows.pos[i_dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
             if i_dec.numel():
+                b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
+                tok_index = rows.pos[i_dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
                 gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics)
         if not call.readout:
             continue
@@ -3077,8 +3077,8 @@ def verify_summary(records: list[dict], results: list[VerifyResult], opts: Verif
     s |= {"mismatched_tokens": failed["logprobs"], "exit_rule_violations": failed["violations"]}
     s |= {"first_mismatch": _first_mismatch(records, results, fails, "logprobs")}
     s |= {"near_threshold_flips": sum(len(r.violations) - len(f.violations) for r, f in zip(results, fails))}
-    s |= {"first_violation": first_violation, "exit_agreement": agree / n if n else None}  # and below: None, {}
-    s |= {"abs_diff_quantiles": _abs_quantiles(diff)}
+    s |= {"first_violation": first_violation, "exit_agreement": agree / n if n else None}  # None without tokens
+    s |= {"abs_diff_quantiles": _abs_quantiles(diff)}  # this and the next two: {} without tokens
     s |= {"max_abs_diff_by_exit_loop": {str(r): float(diff[exits == r].max()) for r in sorted(set(exits.tolist()))}}
     s |= {"ratio_outside": {str(x): float((~((ratio - 1).abs() <= x)).double().mean()) for x in RATIO_BANDS if n}}
     s |= {"sampler_tokens": int(pit.numel()), "sampler_ks_statistic": ks, "sampler_p_value": p_value}
