@@ -8,7 +8,9 @@ engines; its contract is the README's "Contract", cited as Contract §N.
 The method in four lines:
 - Deferred rollouts: a token stops at its exit loop; the loops it skipped
   run later, only if a later token needs their K/V, riding along in its calls.
-- Every rollout records its *schedule*: the ordered calls (loop, rows).
+- Sequences in flight sit in *slots*; each call advances every one of them by
+  one loop, at its own depth (a call's rows carry their loops).
+- Every rollout records its *schedule*: the ordered calls (rows, slots).
 - Replay re-executes the schedule through the same function: the sampler's
   log-probs, bit for bit. The learner takes the value from the replay and the
   gradient from a dense teacher-forced pass: GRPO's first ratios are exactly 1.
@@ -25,8 +27,9 @@ Letters, one meaning each (rarer names are defined where they are used):
 
     shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
              R loops      L layers     C width       I MLP width
-             H heads      KVH K/V heads              D head size
+             H heads      KVH K/V heads  D head size  S slots (in flight)
     indices  b sequence   p position (0-based)   r loop (1-based)   e exit loop
+             s slot
     values   x layer input   h loop output   g gate logit   lam sigmoid(g)
              tau exit threshold   u uniform draw   logp log-probabilities
     GRPO     G per prompt  P prompts  ro rollout  tf teacher-forced  adv, rw, it
@@ -39,6 +42,7 @@ import argparse
 import copy
 import dataclasses
 import hashlib
+import heapq
 import itertools
 import json
 import math
@@ -165,63 +169,100 @@ class ScheduleError(RuntimeError):
 
 
 @dataclass
-class Rows:
-    """A call's rows (b, p), packed for attention as Bc lines (one a sequence)
-    of Tq slots. Rows (0, 3), (0, 4), (2, 7) pack as
+class Grid:
+    """Some lines of a call packed for attention (`Rows`): Bc lines of Tq columns."""
 
-        line  b   index 0  index 1     seqs  [0, 2]      Bc 2
-          0   0    pos 3    pos 4      slot  [0, 0, 1]   Tq 2
-          1   2    pos 7    (pad)      index [0, 1, 0]   Tk 8
-
-    Built on the host: attention reads nothing back from the device."""
-
-    pairs: list[tuple[int, int]]  # the call's rows, sorted and unique
-    seq: torch.Tensor  # (n,) long
-    pos: torch.Tensor  # (n,) long
-    slot: torch.Tensor  # (n,) long: the row's line in the grid
-    index: torch.Tensor  # (n,) long: the row's place in its line
-    seqs: torch.Tensor  # (Bc,) long: each line's sequence
-    last: torch.Tensor  # (Bc,) long: each line's last position
-    Bc: int  # lines: the call's number of sequences
-    Tq: int  # slots a line: the most rows of one sequence
+    rows: torch.Tensor  # (m,) long: the call's rows in this grid, line by line
+    line: torch.Tensor  # (m,) each row's line
+    col: torch.Tensor  # (m,) and its column
+    kv: torch.Tensor  # (Bc,) the cache line each line reads
+    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: keys a row may not see
     Tk: int  # keys 0 .. the last position (a replay's cache has another T)
-    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: keys a slot may not see
-    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
-    def of(cls, pairs: list[tuple[int, int]], device) -> Rows:
-        if not pairs or any(a >= b for a, b in zip(pairs, pairs[1:])):
-            msg = "a call's rows must be one or more (sequence, position) pairs, sorted and unique"
-            raise ScheduleError(msg)
-        lines: dict[int, list[int]] = {}  # b -> its positions, in order
-        for b, p in pairs:
-            lines.setdefault(b, []).append(p)
-        Tq = max(len(ps) for ps in lines.values())
-        slot, index, grid = [], [], []
-        for i, ps in enumerate(lines.values()):
-            slot += [i] * len(ps)
-            index += range(len(ps))
+    def of(cls, lines: list[tuple[int, list[int], list[int]]], device) -> Grid:
+        """lines: (cache line, positions, the rows' indices in the call), one a sequence."""
+        Tq = max(len(ps) for _, ps, _ in lines)
+        rows, line, col, grid = [], [], [], []
+        for i, (_, ps, index) in enumerate(lines):
+            rows += index
+            line += [i] * len(ps)
+            col += range(len(ps))
             grid.append(ps + [0] * (Tq - len(ps)))  # padding: 0
-        seq, pos = torch.tensor(pairs, device=device).T  # (n,) each
-        slot, index = torch.tensor([slot, index], device=device)  # (n,) each
-        last = [ps[-1] for ps in lines.values()]
-        Tk = max(last) + 1
-        seqs, last = torch.tensor([list(lines), last], device=device)  # (Bc,) each
+        Tk = max(ps[-1] for _, ps, _ in lines) + 1
         # The mask of a line with rows at pos 3 and 4 (Tk 5; x: may attend):
         #   pos 3:  x x x x .    earlier positions come from the cache,
         #   pos 4:  x x x x x    the row itself from this call
         grid = torch.tensor(grid, device=device)[:, None, :, None]  # (Bc, 1, Tq, 1)
         masked = torch.arange(Tk, device=device) > grid  # (Bc, 1, Tq, Tk)
-        return cls(pairs, seq, pos, slot, index, seqs, last, len(lines), Tq, Tk, masked)
+        rows, line, col = torch.tensor([rows, line, col], device=device)  # (m,) each
+        return cls(rows, line, col, torch.tensor([kv for kv, _, _ in lines], device=device), masked, Tk)
+
+
+@dataclass
+class Rows:
+    """A call's rows (b, p, r) as tensors, and their attention grids. Each
+    sequence's rows form a line; lines of one row (decoding) and of several (a
+    prompt, rows riding along) pack apart, so neither pads to the other.
+    Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3) pack as
+
+        grid  line  b  r   col 0   col 1
+          0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
+          0     1   5  3   pos 9
+          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5
+
+    A row reads and writes loop r's K/V of its sequence's slot s: cache line
+    (r - 1) * S + s of each layer (`LoopCache`), so one gather serves a call
+    of mixed loops. Built on the host: attention reads nothing back."""
+
+    rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
+    slot_of: dict[int, int]  # sequence -> its slot
+    S: int  # slots
+    seq: torch.Tensor  # (n,) long, and likewise:
+    pos: torch.Tensor
+    loop: torch.Tensor
+    slot: torch.Tensor
+    kv: torch.Tensor  # (n,) the cache line the row writes
+    line_slot: torch.Tensor  # (Bc,) each sequence's slot, loop, last position
+    line_loop: torch.Tensor
+    line_last: torch.Tensor
+    grids: list[Grid]
+    unorder: torch.Tensor  # (n,) the grids' rows back in the call's order
+    embeds: bool  # some row runs loop 1 (its input: the token's embedding)
+    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device) -> Rows:
+        if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
+            raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
+        lines: dict[int, tuple[int, list[int], list[int]]] = {}  # b -> (loop, positions, row indices)
+        for i, (b, p, r) in enumerate(rows):
+            loop, ps, index = lines.setdefault(b, (r, [], []))
+            if loop != r or b not in slot_of or r < 1:
+                raise ScheduleError(f"sequence {b}: its rows in one call must share one loop >= 1, in a slot")
+            ps.append(p)
+            index.append(i)
+        per_line = [(b, r, ps[-1]) for b, (r, ps, _) in lines.items()]
+        line_slot, line_loop, line_last = torch.tensor([(slot_of[b], r, p) for b, r, p in per_line], device=device).T
+        grids = []
+        for alone in (True, False):  # lines of one row, then lines of several
+            some = [((r - 1) * S + slot_of[b], ps, ix) for b, (r, ps, ix) in lines.items() if (len(ps) == 1) == alone]
+            grids += [Grid.of(some, device)] if some else []
+        seq, pos, loop = torch.tensor(rows, device=device).T  # (n,) each
+        slot = torch.tensor([slot_of[b] for b, _, _ in rows], device=device)  # (n,)
+        unorder = torch.cat([g.rows for g in grids]).argsort()
+        per_row = (seq, pos, loop, slot, (loop - 1) * S + slot)
+        embeds = any(r == 1 for _, _, r in rows)
+        return cls(rows, slot_of, S, *per_row, line_slot, line_loop, line_last, grids, unorder, embeds)
 
     def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`), packed once
         if (i.start, i.stop) not in self.alone:
-            self.alone[i.start, i.stop] = Rows.of(self.pairs[i], self.seq.device)
+            self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device)
         return self.alone[i.start, i.stop]
 
 
 class Attention(nn.Module):
-    """Causal GQA attention of a call's rows; one loop's K/V, read and written."""
+    """Causal GQA attention of a call's rows; their K/V, read and written."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -232,31 +273,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (B, KVH, T, D).
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S, KVH, T, D).
         `redo`: `attend` keeps only its inputs and runs again in backward."""
-        n, H, KVH, D = len(rows.pairs), self.H, self.KVH, self.D
+        n, H, KVH, D = len(rows.rows), self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
         # K (after RoPE) and V written before attending: rows see each other
-        k_cache[rows.seq, :, rows.pos] = k
-        v_cache[rows.seq, :, rows.pos] = self.v_proj(x).view(n, KVH, D)
-        K = k_cache[rows.seqs, :, : rows.Tk]  # (Bc, KVH, Tk, D)
-        V = v_cache[rows.seqs, :, : rows.Tk]
-        return recomputed(self.attend, redo, q, K, V, rows)
+        k_cache[rows.kv, :, rows.pos] = k
+        v_cache[rows.kv, :, rows.pos] = self.v_proj(x).view(n, KVH, D)
+        out = []
+        for g in rows.grids:
+            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each line's loop
+            V = v_cache[g.kv, :, : g.Tk]
+            out.append(recomputed(self.attend, redo, q if len(rows.grids) == 1 else q[g.rows], K, V, g))
+        return out[0] if len(out) == 1 else torch.cat(out)[rows.unorder]  # (n, C)
 
-    def attend(self, q, K, V, rows: Rows):  # q (n, H, D) -> (n, C)
-        (n, H, D), dtype = q.shape, q.dtype
-        qp = q.new_zeros(rows.Bc, rows.Tq, H, D)  # the grid of `Rows`
-        qp[rows.slot, rows.index] = q  # (Bc, Tq, H, D)
-        rep = H // self.KVH  # head h reads K/V head h // rep
-        K = K.repeat_interleave(rep, dim=1)  # (Bc, H, Tk, D)
-        V = V.repeat_interleave(rep, dim=1)
-        att = qp.transpose(1, 2) @ K.transpose(-1, -2) * D**-0.5  # (Bc, H, Tq, Tk)
-        att = att.masked_fill(rows.masked, float("-inf"))
-        att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype))
-        y = (att.to(dtype) @ V).transpose(1, 2)  # (Bc, Tq, H, D)
-        y = y[rows.slot, rows.index]  # (n, H, D): padding dropped
-        return self.o_proj(y.reshape(n, H * D))
+    def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
+        (m, H, D), dtype = q.shape, q.dtype
+        Bc, _, Tq, Tk = g.masked.shape
+        KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
+        qp = q.new_zeros(Bc, Tq, H, D)  # the grid
+        qp[g.line, g.col] = q  # (Bc, Tq, H, D)
+        qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)  # a K/V head's
+        att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
+        att = att.masked_fill(g.masked[:, :, None], float("-inf"))
+        att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
+        y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)  # (Bc, Tq, KVH, rep, D)
+        y = y[g.line, g.col]  # (m, KVH, rep, D): padding dropped
+        return self.o_proj(y.reshape(m, H * D))
 
 
 class DecoderLayer(nn.Module):
@@ -331,8 +375,8 @@ class LoopedLM(nn.Module):
         return self._rope[key]
 
     def loop(self, x, rows: Rows, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
-        """x (n, C), rows' input -> h (n, C), through one loop's L layers and
-        the norm; k, v: this loop's K/V per layer. Rows go in position order."""
+        """x (n, C), rows' input -> h (n, C), through the L layers and the
+        norm, each row at its own loop; k, v: each layer's K/V (`LoopCache`)."""
         cos, sin = self.rope()
         cos, sin = cos[rows.pos, None], sin[rows.pos, None]  # (n, 1, D) each
         redo = self.grad_checkpoint and numerics == "fast" and torch.is_grad_enabled()
@@ -387,19 +431,20 @@ def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
 
 
 def exit_loops(
-    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
+    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
 ) -> torch.Tensor:
     """The exit rule (Contract §3): gates (n, j) of j <= R loops -> exit loops
     (n,) long, the first r >= min_loops with CDF_r >= tau (R: none or tau None;
-    0: loops 1..j do not decide). Elementwise: batch-invariant (Derivations)."""
-    n, j = gate_logits.shape
+    0: undecided). done (n,) long: the loops each row has run (default j; later
+    gates are not read). Elementwise: batch-invariant (Derivations)."""
+    (n, j), dev = gate_logits.shape, gate_logits.device
+    done = torch.full((n,), j, device=dev) if done is None else done  # (n,)
     if tau is None or j == 0:
-        return torch.full((n,), R if j >= R else 0, dtype=torch.long, device=gate_logits.device)
+        return torch.where(done >= R, R, 0)
     cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
-    hit = cdf >= tau  # (n, j) bool; for "hf" this is HF's own comparison
-    hit[:, : min_loops - 1] = False  # no exit before min_loops
-    if j == R:
-        hit[:, R - 1] = True  # the last loop always exits
+    loop = torch.arange(1, j + 1, device=dev)  # (j,)
+    hit = (cdf >= tau) & (loop >= min_loops) & (loop <= done[:, None])  # (n, j); "hf": HF's comparison
+    hit |= (loop == R) & (done[:, None] >= R)  # the last loop always exits
     first = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (n, 1) 0-based
     return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0: none exits
 
@@ -409,19 +454,27 @@ def exit_loops(
 EXIT_POLICIES = ("threshold", "sampled")
 
 
-def uniforms(gens: list[torch.Generator], device) -> torch.Tensor:
-    """Each generator's next draw, a float64 in [0, 1) drawn on the host: (n,)."""
-    return torch.stack([torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]).to(device)
+def uniforms(gens: list[torch.Generator | None], device) -> torch.Tensor:
+    """Each generator's next draw, a float64 in [0, 1) drawn on the host (None:
+    no draw, 0): (n,)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    draws = [zero if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
+    return torch.stack(draws).to(device)
 
 
-def sample_exits(g: torch.Tensor, r: int, R: int, min_loops: int, gens: list[torch.Generator]) -> torch.Tensor:
-    """The sampled exit policy after loop r: (n,) long, r (exit now) or 0.
-    g (n,): the deciding positions' loop-r gates; gens: their generators.
-    Before min_loops: stay; at R: exit; else exit iff u < lam (Derivations)."""
-    if r < min_loops or r == R:
-        return torch.full(g.shape, 0 if r < min_loops else R, dtype=torch.long, device=g.device)
+def draws_exit(r: int, R: int, min_loops: int) -> bool:
+    """Does a position deciding at loop r draw its exit (`sample_exits`)?"""
+    return min_loops <= r < R
+
+
+def sample_exits(g: torch.Tensor, r: torch.Tensor, R: int, min_loops: int, u: torch.Tensor) -> torch.Tensor:
+    """The sampled exit policy after each row's loop r (n,) long: r (exit now)
+    or 0. g (n,): the rows' loop-r gates; u (n,) float64: their draws, read
+    where `draws_exit`. Before min_loops: stay; at R: exit; else exit iff
+    u < lam (Derivations)."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
-    return torch.where(uniforms(gens, g.device) < lam.double(), r, 0)
+    e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
+    return torch.where(r == R, R, e)
 
 
 def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int = 1) -> torch.Tensor:
@@ -443,65 +496,90 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
 # --- KV cache and calls (the caller owns positions) -------------------------
 @dataclass
 class LoopCache:
-    """k, v: [loop][layer] (B, KVH, T, D), K after RoPE; h (B, T, C): each
-    position's latest loop output; depth (B, T) long: the loops it has done.
+    """S slots, each a sequence in flight, of T positions. k, v: [layer]
+    (R * S, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s;
+    h (S, T, C): each position's latest loop output; depth (S, T) long: the
+    loops it has done; slot_of: sequence -> its slot (`seat`).
     NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
 
-    k: list[list[torch.Tensor]]
-    v: list[list[torch.Tensor]]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
     h: torch.Tensor
     depth: torch.Tensor
+    slot_of: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, model: LoopedLM, B: int, T: int) -> "LoopCache":
+    def empty(cls, model: LoopedLM, S: int, T: int) -> "LoopCache":
         cfg, dt, dev = model.config, model.dtype, model.device
-        L, R, KVH, D = cfg.num_hidden_layers, cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
-        kv = lambda: torch.zeros(B, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
-        k = [[kv() for _ in range(L)] for _ in range(R)]
-        v = [[kv() for _ in range(L)] for _ in range(R)]
-        h = torch.zeros(B, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(B, T, dtype=torch.long, device=dev))
+        R, KVH, D = cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
+        kv = lambda: torch.zeros(R * S, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
+        k = [kv() for _ in model.model.layers]
+        v = [kv() for _ in model.model.layers]
+        h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev))
+
+    @property
+    def S(self) -> int:
+        return self.h.shape[0]
+
+    def seat(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (b, s): sequence b takes slot s, once; the slot starts empty
+        (depth 0: an earlier sequence's K/V there is masked, never attended)."""
+        for b, s in pairs:
+            if b in self.slot_of or not 0 <= s < self.S:
+                raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
+            self.slot_of[b] = s
+        if pairs:
+            self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
         """For each (dst, src): sequence dst's whole cache becomes src's."""
-        dst, src = torch.tensor(pairs, device=self.h.device).T  # (n,) each
-        for per_layer in self.k + self.v:
-            for t in per_layer:
-                t[dst] = t[src]
+        dst = [self.slot_of[b] for b, _ in pairs]
+        src = [self.slot_of[a] for _, a in pairs]
+        for t in self.k + self.v:
+            lines = t.view(-1, self.S, *t.shape[1:])  # (R, S, KVH, T, D)
+            lines[:, dst] = lines[:, src]
         self.h[dst] = self.h[src]
         self.depth[dst] = self.depth[src]
 
 
 @dataclass
 class Call:
-    """Some rows (b, p) through all L layers of one loop. readout: the rows that
-    exit here and sample a token. share: (dst, src) pairs; after the call,
-    sequence dst's cache becomes src's (a group's prompt, once: `shared_prefix`)."""
+    """Rows (b, p, r) through all L layers, each row at its loop r (a
+    sequence's rows share one). enter: (b, s) pairs seated before the call
+    (`LoopCache.seat`). readout: the rows that exit here and sample a token.
+    share: (dst, src) pairs; after the call, sequence dst's cache becomes
+    src's (a group's prompt, once: `shared_prefix`)."""
 
-    loop: int
-    rows: list[tuple[int, int]]
-    readout: list[tuple[int, int]] = field(default_factory=list)
+    rows: list[tuple[int, int, int]]
+    readout: list[tuple[int, int, int]] = field(default_factory=list)
     share: list[tuple[int, int]] = field(default_factory=list)
+    enter: list[tuple[int, int]] = field(default_factory=list)
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str):
     """The ONE function rollouts, replays and teacher forcing compute with:
-    updates the cache, returns h_r (n, C) and the Rows. tokens (B, T) long.
-    NOTE: same call, cache and numerics => same bits: replay rests on this."""
-    r, rows = call.loop, Rows.of(call.rows, tokens.device)
-    seq, pos = rows.seq, rows.pos
+    updates the cache, returns h (n, C), each row's loop output, and the Rows.
+    tokens (B, T) long. NOTE: same call, cache and numerics => same bits:
+    replay rests on this."""
+    cache.seat(call.enter)
+    rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device)
+    seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
     # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
-    late = (cache.depth[seq, pos] != r - 1).sum()
-    x = model.model.embed_tokens(tokens[seq, pos]) if r == 1 else cache.h[seq, pos]  # (n, C)
-    cache.depth[seq, pos] = r
-    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.last[:, None]  # (Bc, T)
-    missing = (needed & (cache.depth[rows.seqs] < r)).sum()
+    late = (cache.depth[slot, pos] != r - 1).sum()
+    x = cache.h[slot, pos]  # (n, C): loop r-1's output
+    if rows.embeds:  # loop 1 starts from the token's embedding
+        x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
+    cache.depth[slot, pos] = r
+    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]  # (Bc, T)
+    missing = (needed & (cache.depth[rows.line_slot] < rows.line_loop[:, None])).sum()
     if late + missing:  # one read back per call
+        loops = sorted({r for _, _, r in call.rows})
         raise ScheduleError(
-            f"call at loop {r}: a row is not done with loop {r - 1}, or attends to a K/V never computed"
+            f"call at loops {loops}: a row is not done with loop r - 1, or attends to a K/V never computed"
         )
-    h = model.loop(x, rows, cache.k[r - 1], cache.v[r - 1], numerics)  # (n, C)
-    cache.h[seq, pos] = h
+    h = model.loop(x, rows, cache.k, cache.v, numerics)  # (n, C)
+    cache.h[slot, pos] = h
     if call.share:
         cache.copy_sequences(call.share)
     return h, rows
@@ -675,16 +753,19 @@ def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tens
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """A rollout's (or replay's) first calls: a GRPO group's first sequence runs
-    every loop of the prompt but its last position, and the last call copies its
-    cache to the group's others (`Call.share`)."""
-
+    """Teacher forcing's first calls: a GRPO group's first sequence runs every
+    loop of the prompt but its last position, and the last call copies its
+    cache to the group's others (`Call.share`). The rollout does the same for
+    a group that takes its slots at one call."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
-    rows = []  # the leaders' prompt positions but the last
-    for a in sorted({a for _, a in share}):
-        rows += [(a, p) for p in range(len(prompts[a]) - 1)]
-    return [Call(r, rows, share=share if r == R else []) for r in range(1, R + 1)] if rows else []
+    calls = []
+    for r in range(1, R + 1):
+        rows = []  # the leaders' prompt positions but the last
+        for a in sorted({a for _, a in share}):
+            rows += [(a, p, r) for p in range(len(prompts[a]) - 1)]
+        calls.append(Call(rows, share=share if r == R else []))
+    return calls if calls[0].rows else []
 
 
 @torch.no_grad()
@@ -696,14 +777,17 @@ def rollout(
     max_new_tokens: int = 32,
     seed: int = 0,
     sequence_ids: list[int] | None = None,
+    max_num_seqs: int = 0,
 ) -> Rollout:
     """Sample completions of `prompts` under `policy`; record everything.
 
-    One rule makes both modes' schedules: each step, for r = 1, 2, ..., a
-    sequence *takes part* in loop r (dense: always; deferred: until its newest
-    position exits) and brings *every* position up to its newest that has done
-    exactly r-1 loops: dense, the newest; deferred, also earlier positions that
-    exited before loop r, riding along. Same policy (Contract §4). A 3-token
+    At most `max_num_seqs` sequences are in flight (0: all), each in a slot of
+    the cache; one that stops frees its slot for the next at the next call.
+    Each call advances every sequence in flight by one loop, at its own depth
+    (Contract §4): its *focus* runs its next loop r, and every earlier position
+    that has done exactly r-1 loops rides along. The focus is the newest
+    position; when it exits it samples the next token, which becomes the focus
+    (deferred) or waits until the newest has run all R loops (dense). A 3-token
     prompt, R = 3, new tokens exiting at 1, 3, 1, 2 (a cell: the call; `schedule_grid`):
 
         dense                      deferred
@@ -715,86 +799,112 @@ def rollout(
           4    6   7   8             4    4   6   ·     <- exits at 1; loop 2 rides in call 6
           5    9  10  11             5    5   6   ·     <- exits at 2: loop 3 never needed
 
-    Same tokens, 12 calls or 7. NOTE: riding along is safe: loop r of a position
-    reads only earlier positions' loop-r K/V, brought up to r no later than now.
-    Same uniforms in both: Derivations (rollout)."""
+    Same tokens, 12 calls or 7; with more sequences, a call carries each at its
+    own loop, and nothing waits for another's depth or length. NOTE: riding
+    along is safe: loop r of a position reads only earlier positions' loop-r
+    K/V, brought up to r no later than now. Same uniforms in both: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
-    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R:
-        raise ValueError(f"need non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R")
+    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or max_num_seqs < 0:
+        need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
+        raise ValueError(f"need {need} and max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
-    kv = KV_POLICIES[policy.kv]
+    kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
-    # The rollout's state, all of it (t: a completion token):
+    # The rollout's state: per sequence on the device (t: a completion token) ...
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
-    cache = LoopCache.empty(model, B, T)
-    calls = shared_prefix(prompts, R)  # the schedule so far
+    cache = LoopCache.empty(model, min(max_num_seqs or B, B), T)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
-    length = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) tokens sampled
-    active = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) still sampling
     completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
     exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: no token
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
-    batch, positions = torch.arange(B, device=dev), torch.arange(T, device=dev)
+    positions = torch.arange(T, device=dev)
     stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)
-    for call in calls:  # a group's prompt, once
-        execute_call(model, call, tokens, cache, numerics)
-    for step in range(N):  # each active sequence samples a token (0: prefill)
-        if not active.any():
-            break  # every sequence has stopped
-        newest = prompt_end + length  # (B,) each sequence's newest position
-        t_new = length.clamp(max=N - 1)  # (B,) the token it produces
-        exits[batch, t_new] = torch.where(active, R + 1, exits[batch, t_new])  # undecided
-        runs_all = policy.mode == "dense" or (step == 0 and kv.prefill_all_loops)
-        for r in range(1, R + 1):
-            # 1) Who takes part: dense, all active sequences; deferred, undecided.
-            part = active & (runs_all | (exits[batch, t_new] > R))  # (B,)
-            # 2) Their positions up to the newest done with r-1 loops (§4).
-            todo = (cache.depth == r - 1) & (positions <= newest[:, None]) & part[:, None]
-            call = Call(r, [tuple(row) for row in todo.nonzero().tolist()])
-            h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-            calls.append(call)
-            # 3) Undecided newest positions decide: by the rule, or by a draw.
-            dec = deciding(r, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
-            if not dec.numel():
-                continue  # dense, all exited: loop r is for the K/V
-            b = rows.seq[dec]  # (n_dec,) the deciding rows' sequences
-            t = t_new[b]  # (n_dec,) and the tokens they produce
+    # ... and on the host: who sits where, and each sequence's focus and its loops done.
+    waiting, seat = list(range(B))[::-1], {}  # pop(): the next to enter; slot -> sequence
+    ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
+    focus, done, length = list(ends), [0] * B, [0] * B
+    held, stopped = {}, set()  # held: a group's other -> its leader, until the prompt is shared
+    calls = []
+    while waiting or seat:
+        # 1) Free slots take the next sequences (`execute_call` seats them).
+        enter = [(waiting.pop(), s) for s in range(cache.S) if s not in seat and waiting]
+        seat |= {s: b for b, s in enter}
+        leader = {}  # a group taking its slots together computes its prompt once
+        for b, _ in enter:
+            a = leader.setdefault(tuple(prompts[b]), b)
+            if a != b and ends[b] > 0:
+                held[b], focus[a] = a, ends[a] - 1  # the leader's prompt but its last position
+        if enter:
+            exits[[b for b, _ in enter], 0] = R + 1  # token 0: undecided
+        # 2) Each sequence in flight runs its focus's next loop; earlier positions done with r-1 ride along.
+        live = sorted(s for s, b in seat.items() if b not in held)
+        loop = {seat[s]: done[seat[s]] + 1 for s in live}
+        f, r = torch.tensor([[focus[seat[s]], loop[seat[s]]] for s in live], device=dev).T  # (k,) each
+        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,) not yet seated
+        depth = torch.where(fresh[:, None], 0, cache.depth[live])  # (k, T)
+        todo = (depth == r[:, None] - 1) & (positions <= f[:, None])  # (k, T)
+        rows = [(seat[live[i]], p, loop[seat[live[i]]]) for i, p in todo.nonzero().tolist()]
+        share = [(b, a) for b, a in held.items() if loop[a] == R]  # the prompt done: copied
+        call = Call(sorted(rows), share=share, enter=enter)
+        h, on = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+        calls.append(call)
+        for b in loop:
+            done[b] += 1
+        # 3) Undecided newest positions decide: by the rule, or by a draw.
+        dec = deciding(on.loop, on.seq, on.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+        if dec.numel():
+            b, r = on.seq[dec], on.loop[dec]  # (n_dec,) the deciding rows' sequences and loops
+            t = on.pos[dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
             g = model.gate_logits(h[dec], numerics)  # (n_dec,)
             gates[b, t, r - 1] = g
+            deciders = [call.rows[i] for i in dec.tolist()]
             if policy.exit_policy == "sampled":
-                e = sample_exits(g, r, R, policy.min_loops, [gens[i] for i in b.tolist()])
+                draw = [gens[c] if draws_exit(q, R, policy.min_loops) else None for c, _, q in deciders]
+                e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, dev))
             else:
-                e = exit_loops(gates[b, t, :r], R, tau, policy.min_loops, policy.exit_rule)
+                e = exit_loops(gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
             exits[b, t] = torch.where(e > 0, e, R + 1)  # e = 0 (undecided) is kept as R + 1
-            call.readout = [call.rows[i] for i in dec[e > 0].tolist()]
-            # 4) The rows exiting at loop r read out; each samples its next token.
-            if call.readout:
-                logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-                readers = [seq for seq, _ in call.readout]
-                u = uniforms([gens[i] for i in readers], dev) if policy.temperature > 0 else None
-                tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
-                b = torch.tensor(readers, device=dev)  # (n_out,)
-                t = t_new[b]  # (n_out,)
-                completions[b, t] = tok
-                logprobs[b, t] = logp.gather(1, tok[:, None])[:, 0]
-                tokens[b, newest[b] + 1] = tok  # the next newest position's input
-                length[b] = t + 1
-                kv.after_readout(cache, call, prompt_end)
-            if not runs_all and len(call.readout) == dec.numel():
-                break  # deferred, all exited: deeper loops wait
-        # 5) A stop id or N tokens stop a sequence (its last token never runs).
-        active &= (length < N) & ~torch.isin(completions[batch, t_new], stop_ids)
+            call.readout = [row for row, out in zip(deciders, (e > 0).tolist()) if out]
+        # 4) The rows exiting read out; each samples its next token; a stop id or N tokens stop it.
+        if call.readout:
+            logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
+            readers = [c for c, _, _ in call.readout]
+            u = uniforms([gens[c] for c in readers], dev) if policy.temperature > 0 else None
+            tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
+            b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
+            t = p - prompt_end[b]  # (n_out,)
+            completions[b, t] = tok
+            logprobs[b, t] = logp.gather(1, tok[:, None])[:, 0]
+            tokens[b, p + 1] = tok  # the next position's input
+            stop = torch.isin(tok, stop_ids) | (t + 1 == N)  # (n_out,)
+            exits[b[~stop], t[~stop] + 1] = R + 1  # the next token: undecided
+            kv.after_readout(cache, call, prompt_end)
+            for (c, q, _), ends_here in zip(call.readout, stop.tolist()):
+                length[c] += 1
+                stopped.update([c] if ends_here else [])
+                if not (ends_here or dense or kv.prefill_all_loops and q == ends[c]):
+                    focus[c], done[c] = q + 1, 0  # deferred: the new position is the focus
+        # 5) A focus done with all R loops moves on: the shared prompt's end, the next position, or out.
+        for s in live:
+            b = seat[s]
+            if done[b] == R and focus[b] < ends[b]:  # a leader's prompt is shared: the group goes on
+                for a in [b] + [a for a, c in held.items() if c == b]:
+                    focus[a], done[a] = ends[a], 0
+                    held.pop(a, None)
+            elif b in stopped and (done[b] == R or not (dense or kv.prefill_all_loops and focus[b] == ends[b])):
+                del seat[s]  # its slot is free for the next sequence
+            elif done[b] == R:
+                focus[b], done[b] = focus[b] + 1, 0
     # 6) The exits' log-probs, from the deciding gates, as the replay's.
     exit_lp = torch.zeros_like(logprobs)  # threshold: not drawn, log p = 0
     if policy.exit_policy == "sampled":
         exit_lp = exit_logprob(gates, exits, policy.min_loops)
-    lengths = length.tolist()
-    mask = (positions[:N] < length[:, None]).cpu()  # (B, N)
-    completions = [c[:n] for c, n in zip(completions.tolist(), lengths)]
-    exit_list = [e[:n] for e, n in zip(exits.tolist(), lengths)]
+    mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
+    completions = [c[:n] for c, n in zip(completions.tolist(), length)]
+    exit_list = [e[:n] for e, n in zip(exits.tolist(), length)]
     schedule = Schedule(calls, policy, str(model.dtype), R)
     prompts = [list(prompt) for prompt in prompts]
     return Rollout(prompts, completions, exit_list, logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
@@ -820,7 +930,8 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    cache = LoopCache.empty(model, B, tokens.shape[1])
+    slots = 1 + max((s for call in calls for _, s in call.enter), default=-1)  # the rollout's S
+    cache = LoopCache.empty(model, slots, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
     exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
@@ -830,17 +941,17 @@ def execute_schedule(
         if on_call is not None:
             on_call(call, h)
         if sampled:  # NOTE: the rows the rollout asked, in its order: its gates' bits
-            i_dec = deciding(call.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+            i_dec = deciding(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
             if i_dec.numel():
-                b = rows.seq[i_dec]  # (n_dec,) the deciding rows' sequences
+                b, r = rows.seq[i_dec], rows.loop[i_dec]  # (n_dec,) the deciding rows' sequences, loops
                 tok_index = rows.pos[i_dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
-                gates[b, tok_index, call.loop - 1] = model.gate_logits(h[i_dec], numerics)
+                gates[b, tok_index, r - 1] = model.gate_logits(h[i_dec], numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
         if on_readout is not None:
             on_readout(call, logp)
-        b, p = torch.tensor(call.readout, device=dev).T  # (n_out,) each
+        b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
         out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]  # the recorded token's
         kv.after_readout(cache, call, prompt_end)
     if not sampled:
@@ -858,21 +969,6 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
 
 
-def concat_rollouts(chunks: list[Rollout]) -> Rollout:
-    """A step's chunks as one batch, without a schedule (each replays its own: `replay_chunks`)."""
-    lists = {k: sum((getattr(c, k) for c in chunks), []) for k in ("prompts", "completions", "exit_loops")}
-    tensors = {k: torch.cat([getattr(c, k) for c in chunks]) for k in ("logprobs", "mask", "exit_logprobs")}
-    return dataclasses.replace(chunks[0], **lists, **tensors, schedule=None)
-
-
-def replay_chunks(model: LoopedLM, chunks: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's replay (its own schedule), concatenated: (tokens', exits') log-probs, (B, N) each."""
-    if len(chunks) == 1:
-        return replay_logprobs(model, chunks[0], with_exits=True)
-    tok, ext = zip(*(replay_logprobs(model, c, with_exits=True) for c in chunks))
-    return torch.cat(tok), torch.cat(ext)
-
-
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of every
     sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops."""
@@ -886,9 +982,10 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
             end = len(prompt) - 1  # the prompt's last position reads out token 0
             for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
                 if kv.teacher_forced_runs(p, end, exits[p - end] if p > end else 0, r):
-                    rows.append((b, p))
-            readout += [(b, end + i) for i, e in enumerate(exits) if e == r]
-        calls.append(Call(r, rows, readout))
+                    rows.append((b, p, r))
+            readout += [(b, end + i, r) for i, e in enumerate(exits) if e == r]
+        calls.append(Call(rows, readout))
+    calls[0].enter = [(b, b) for b in range(len(ro.prompts))]  # every sequence in its own slot
     return calls
 
 
@@ -1033,10 +1130,9 @@ def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
-def _audit_first_iteration(model: LoopedLM, chunks: list[Rollout], logp_old: torch.Tensor, mask) -> dict:
+def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: torch.Tensor, mask) -> dict:
     """Replay and compare with the sampler bit for bit, tokens' and exits' log-probs (logp_old: joint)."""
-    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
-    tok, ext = replay_chunks(model, chunks)  # (B, N) each, on the host as the records
+    tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N) each, on the host as the records
     mask = mask.cpu()
     mismatched = int(((tok != ro.logprobs) & mask).sum())
     mismatched_exits = int(((ext != ro.exit_logprobs) & mask).sum())
@@ -1074,21 +1170,19 @@ def _pooled(stats: list[dict], tokens: list[float]) -> dict:
 def grpo_update(
     model: LoopedLM,
     opt: torch.optim.Optimizer,
-    ro: Rollout | list[Rollout],
+    ro: Rollout,
     rewards: torch.Tensor,
     grpo: GRPOConfig,
     numerics: str = "fast",
     ref_model: LoopedLM | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict:
-    """mu GRPO iterations on one batch of rollouts (or its chunks, a list); metrics in TRL/verl names.
+    """mu GRPO iterations on one batch of rollouts; metrics in TRL/verl names.
 
     Log-probs from `learner_logprobs`: the exact value, the teacher-forced gradient. Iteration 1's value is
     the sampler's record (`check_replay`: the replay must match it bit for bit); later ones the replay's.
     Sampled exits: log-probs are joint, token + exit. `grpo.micro_batch`: that many sequences a backward,
     the whole step's `loss_count`, gradients summed. `all_reduce` (data parallel) sums across processes."""
-    chunks = ro if isinstance(ro, list) else [ro]
-    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
     mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
@@ -1111,7 +1205,7 @@ def grpo_update(
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ----
-        value = recorded if it == 0 else replay_chunks(model, chunks)  # exact
+        value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact
         opt.zero_grad(set_to_none=True)
         losses, stats, tokens, naive = [], [], [], 0.0
         for i, piece in enumerate(pieces):  # a micro-batch: its live rows are teacher-forced
@@ -1128,7 +1222,7 @@ def grpo_update(
             stats.append(s)
             tokens.append(float(m[k].sum()))
         if it == 0:  # the audit: iteration 1's value is the replay's, or it refuses
-            metrics.update(_audit_first_iteration(model, chunks, logp_old, mask) if grpo.check_replay else {})
+            metrics.update(_audit_first_iteration(model, ro, logp_old, mask) if grpo.check_replay else {})
             metrics["sampling/naive_logp_difference/max"] = naive
         if all_reduce is not None:  # data parallel: sum the gradients
             for param in model.parameters():
@@ -1788,7 +1882,9 @@ class LoopOutputs:
 def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
     """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
-    rows = Rows.of(list(itertools.product(range(B), range(T))), idx.device)  # every (seq, pos), in order
+    rows = Rows.of(
+        [(b, p, 1) for b, p in itertools.product(range(B), range(T))], dict(enumerate(range(B))), B, idx.device
+    )
     h = model.model.embed_tokens(idx.reshape(-1))  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
@@ -1890,7 +1986,8 @@ CONFIGS = Path(__file__).with_name("tiny_configs")
 
 def _flag(default, help: str, **meta):
     """A field that is also a flag (`_` written `-`). meta: argparse's `choices`, `required`; `within` (lo, hi[, "(]"]),
-    closed by default; `pattern`; `path`/`out` "file"/"folder"; `exclusive` "required"/"optional" (--model/--config)."""
+    closed by default; `pattern`; `path`/`out` "file"/"folder"; `exclusive` "required"/"optional" (--model/--config);
+    `alias`: another name of the flag."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -1911,7 +2008,8 @@ def add_flags(parser: argparse.ArgumentParser, cls) -> None:
             kw.update(type=float if kind == "float" else int, nargs="+" if kind == "list[int]" else None)
         if "exclusive" in m and group is None:
             group = parser.add_mutually_exclusive_group(required=m["exclusive"] == "required")
-        (group if "exclusive" in m else parser).add_argument("--" + f.name.replace("_", "-"), default=f.default, **kw)
+        names = ["--" + f.name.replace("_", "-")] + ([m["alias"]] if "alias" in m else [])
+        (group if "exclusive" in m else parser).add_argument(*names, default=f.default, **kw)
 
 
 def _check_out(path: str, kind: str, flag: str = "--out") -> None:
@@ -1957,6 +2055,7 @@ def check_flags(flags) -> None:
     """Every flag of a command's flags dataclass, before any work: a one-line ValueError naming the first bad one."""
     for f in dataclasses.fields(flags):
         v, name = getattr(flags, f.name), "--" + f.name.replace("_", "-")
+        name += f" ({f.metadata['alias']})" if "alias" in f.metadata else ""
         if v is None and f.default is None:  # not given: the flag's "default: ..." in its help applies
             continue
         if want := _check_flag(f, v):
@@ -2050,7 +2149,7 @@ STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradie
 
 def memory_plan(
     cfg: Config, dtype: torch.dtype, *, sequences: int, prompt_len: int, new_tokens: int,
-    rollout_batch: int = 0, micro_batch: int = 0, grad_checkpoint: bool = False,
+    max_num_seqs: int = 0, micro_batch: int = 0, grad_checkpoint: bool = False,
     beta: float = 0.0, rounding: str = "stochastic", device: str = "cpu",
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
@@ -2062,7 +2161,7 @@ def memory_plan(
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
-    chunk = rollout_batch if 0 < rollout_batch < sequences else sequences
+    slots = max_num_seqs if 0 < max_num_seqs < sequences else sequences
     mb = micro_batch if 0 < micro_batch < sequences else sequences
     kv, kvw = kv_cache_bytes_per_token(cfg, dtype)["total"], cfg.num_key_value_heads * cfg.head_dim
     saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](e, C, I, kvw, H * T)
@@ -2075,7 +2174,7 @@ def memory_plan(
         "adamw": 8 * P,  # its two moments, float32
         "gradients": P * e,
         "kl_reference": P * e * (beta > 0),
-        "rollout_cache": chunk * T * kv,
+        "rollout_cache": slots * T * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
         "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
     }
@@ -2099,6 +2198,7 @@ def plan_lines(plan: dict[str, int]) -> list[str]:
 
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
+MAX_NUM_SEQS_HELP = "sequences in flight in a rollout, each in a slot of the KV cache (0: all; vLLM's max_num_seqs)"
 TOP_P_HELP = "then among the most likely whose probability reaches this, as vLLM (1: all; applied after top-k)"
 LR_SCHEDULES = ("constant", "cosine")
 EXPORT_ROUNDINGS = ("nearest", "stochastic", "error-feedback")  # bfloat16 copies of float32 masters
@@ -2153,8 +2253,8 @@ class TrainConfig:
     micro_batch: int = _flag(0, "sequences per backward, gradients accumulated (0: the whole step)",
         within=(0, MAX_COUNT))
     grad_checkpoint: bool = _flag(False, "teacher forcing recomputes each layer in backward (activation checkpointing)")
-    rollout_batch: int = _flag(0, "sequences per rollout chunk, each replayed on its own (0: the whole step)",
-        within=(0, MAX_COUNT))
+    max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP + " (--rollout-batch: the same)", within=(0, MAX_COUNT),
+        alias="--rollout-batch")
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
     reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness or 'digits' (smoke tests)", choices=REWARDS)
@@ -2277,13 +2377,8 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
     batch = [problems[pick[i]] for i in mine for _ in range(G)]
     gids = [(step * P + i) * G + j for i in mine for j in range(G)]  # global sequence indices
     prompts, policy = [encode_problem(tok, p)[0] for p in batch], cfg.policy(tok.stop_ids)
-    k = cfg.rollout_batch or len(prompts)  # chunks of k sequences: each its own rollout, schedule and replay
-    run = dict(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    chunks = [
-        rollout(model, prompts[i : i + k], policy, **run, sequence_ids=gids[i : i + k])
-        for i in range(0, len(prompts), k)
-    ]
-    ro = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks)
+    run = dict(max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, max_num_seqs=cfg.max_num_seqs)
+    ro = rollout(model, prompts, policy, **run, sequence_ids=gids)  # the step's one schedule
     texts = [tok.decode(c) for c in ro.completions]
     accuracy = sum(gsm8k_score(t, p["answer"]) for p, t in zip(batch, texts)) / len(batch)
     scored = [c[-1] in policy.stop_ids or not cfg.stop_required for c in ro.completions]  # False: cut, scores 0
@@ -2293,7 +2388,7 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    t1, m = time.time(), grpo_update(model, opt, chunks, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
+    t1, m = time.time(), grpo_update(model, opt, ro, rewards, cfg.grpo(), cfg.numerics, ref, dist["all_reduce"])
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
         "reward": float(rw.mean()),
@@ -2432,7 +2527,7 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
     """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
     sequences = cfg.prompts_per_step // world * cfg.group_size
     step = dict(sequences=sequences, prompt_len=prompt_len, new_tokens=cfg.max_new_tokens)
-    settings = {k: getattr(cfg, k) for k in ("rollout_batch", "micro_batch", "grad_checkpoint", "beta")}
+    settings = {k: getattr(cfg, k) for k in ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta")}
     plan = memory_plan(model.config, model.dtype, **step, **settings, rounding=cfg.export_rounding, device=model.device)
     text = "; ".join(plan_lines(plan))
     say(f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
@@ -2440,7 +2535,7 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
         return
     room = torch.cuda.mem_get_info(model.device)[0] + torch.cuda.memory_reserved(model.device)  # ours: in the state
     if plan["peak"] > room:
-        lower = {"rollout_cache": "lower --rollout-batch", "learner": "lower --micro-batch, or add --grad-checkpoint"}
+        lower = {"rollout_cache": "lower --max-num-seqs", "learner": "lower --micro-batch, or add --grad-checkpoint"}
         worst = max(("rollout_cache", "learner", "step"), key=lambda k: plan["phase_" + k])
         hint = lower.get(worst, "the state does not fit: a smaller model, or more GPUs (torchrun)")
         raise ValueError(
@@ -2509,7 +2604,7 @@ def _sampling(rec: dict) -> tuple[float, int, float, str]:
 
 
 def schedule_to_json(schedule: Schedule) -> str:
-    """A schedule as one JSON object: its policy's fields, dtype, loops and calls (loop, rows, readout, share)."""
+    """A schedule as one JSON object: its policy's fields, dtype, loops and calls (rows, readout, share, enter)."""
     d = dataclasses.asdict(schedule.policy) | {"dtype": schedule.dtype, "loops": schedule.loops}
     return json.dumps(d | {"calls": [dataclasses.asdict(c) for c in schedule.calls]})
 
@@ -2517,26 +2612,32 @@ def schedule_to_json(schedule: Schedule) -> str:
 def schedule_from_json(text: str) -> Schedule:
     """A schedule written by `schedule_to_json` (missing keys: defaults), its calls' pairs checked on reading."""
     d = json.loads(text)
-    calls = [Call(c["loop"], *([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share"))) for c in d["calls"]]
-    for c in calls:
+    calls = [Call(*([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share", "enter"))) for c in d["calls"]]
+    for i, c in enumerate(calls):
         bad_share = any(len(pair) != 2 or pair[0] == pair[1] or min(pair) < 0 for pair in c.share)  # (dst, src)
-        if not c.rows or c.rows != sorted(set(c.rows)) or not set(c.readout) <= set(c.rows) or bad_share:
-            raise ValueError(f"call at loop {c.loop}: bad rows (sorted, unique (b, p) pairs) or share (dst != src)")
+        bad_enter = any(len(pair) != 2 or min(pair) < 0 for pair in c.enter) or (i == 0 and not c.enter)
+        bad_rows = not c.rows or c.rows != sorted(set(c.rows)) or any(len(row) != 3 for row in c.rows)
+        if bad_rows or not set(c.readout) <= set(c.rows) or bad_share or bad_enter:
+            msg = "bad rows (sorted, unique (b, p, r)), readout, share (dst != src) or enter ((b, s); call 0 seats)"
+            raise ValueError(f"call {i}: {msg}")
     d["stop_ids"] = tuple(d.get("stop_ids", ()))  # JSON has lists, a Policy tuples
     policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
     return Schedule(calls, policy, d["dtype"], d["loops"])
 
 
-def schedule_grid(schedule: Schedule, seq: int = 0) -> str:
-    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none)."""
-    cells = {(p, c.loop): i for i, c in enumerate(schedule.calls) for b, p in c.rows if b == seq}
-    if not cells:
-        return f"(sequence {seq} has no rows)"
-    w, loops = max(3, len(str(len(schedule.calls) - 1))) + 1, range(1, schedule.loops + 1)
-    lines = [f"{schedule.policy.mode}, sequence {seq}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in loops)]
-    for p in range(max(p for p, _ in cells) + 1):
-        lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in loops))
-    return "\n".join(lines)
+def schedule_grid(schedule: Schedule, seq: int | list[int] = 0) -> str:
+    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none);
+    a list of sequences side by side (one call's number in two of them at two loops: a mixed call)."""
+    w, loops, blocks = max(3, len(str(len(schedule.calls) - 1))) + 1, range(1, schedule.loops + 1), []
+    for b in [seq] if isinstance(seq, int) else seq:
+        cells = {(p, r): i for i, c in enumerate(schedule.calls) for s, p, r in c.rows if s == b}
+        lines = [f"{schedule.policy.mode}, sequence {b}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in loops)]
+        for p in range(max(p for p, _ in cells) + 1 if cells else 0):
+            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in loops))
+        blocks.append(lines if cells else [f"(sequence {b} has no rows)"])
+    width = max(len(line) for block in blocks for line in block)
+    rows = itertools.zip_longest(*blocks, fillvalue="")
+    return "\n".join("   ".join(line.ljust(width) for line in row).rstrip() for row in rows)
 
 
 def exit_loop(
@@ -2567,15 +2668,15 @@ class LastExitedKV(ExactKV):
 
     def after_readout(self, cache: LoopCache, call: Call, prompt_end: torch.Tensor) -> None:
         """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
-        seq, pos = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
+        seq, pos, e = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
+        slot = torch.tensor([cache.slot_of[b] for b, _, _ in call.readout], device=cache.h.device)  # (n_out,)
         generated = pos > prompt_end[seq]  # (n_out,) not a prompt's last position
-        seq, pos = seq[generated], pos[generated]
-        if seq.numel():
-            for kv in (cache.k, cache.v):
-                for r in range(call.loop, len(kv)):  # 0-based index r is loop r + 1
-                    for layer in range(len(kv[r])):
-                        kv[r][layer][seq, :, pos] = kv[call.loop - 1][layer][seq, :, pos]
-            cache.depth[seq, pos] = len(cache.k)
+        R = cache.k[0].shape[0] // cache.S
+        for r in range(2, R + 1):  # loop r's K/V of the positions that exited before it
+            i = (generated & (e < r)).nonzero()[:, 0]
+            for t in cache.k + cache.v:
+                t[(r - 1) * cache.S + slot[i], :, pos[i]] = t[(e[i] - 1) * cache.S + slot[i], :, pos[i]]
+        cache.depth[slot[generated], pos[generated]] = R
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
         """A generated position runs only up to its recorded exit loop (its deeper K/V are copies)."""
@@ -2853,18 +2954,18 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
     if raw:
         ro = dataclasses.replace(ro, policy=dataclasses.replace(sampled, temperature=1.0, top_k=0, top_p=1.0))
 
-    def token_index(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        b, p = torch.tensor(rows, dtype=torch.long).reshape(-1, 2).T  # (n,) each: rows' sequences and positions
+    def token_index(rows: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        b, p, _ = torch.tensor(rows, dtype=torch.long).reshape(-1, 3).T  # (n,) each: rows' sequences and positions
         return b, p - first[b]  # and the completion token each position produces
 
     undecided = torch.where(ro.mask, R + 1, 0)  # (B, N) every producing row decides: the rule runs at every loop
 
     def collect_gates(call: Call, h: torch.Tensor) -> None:
-        b, p = torch.tensor(call.rows, dtype=torch.long).T  # (n,) each
-        if (i := deciding(call.loop, b, p, first, undecided).nonzero()[:, 0]).numel():
+        b, p, r = torch.tensor(call.rows, dtype=torch.long).T  # (n,) each
+        if (i := deciding(r, b, p, first, undecided).nonzero()[:, 0]).numel():
             b, k = token_index([call.rows[j] for j in i.tolist()])
-            gates[b, k, call.loop - 1] = model.gate_logits(h[i.to(h.device)]).cpu()
-            ran[b, k] = call.loop
+            gates[b, k, r[i] - 1] = model.gate_logits(h[i.to(h.device)]).cpu()
+            ran[b, k] = r[i]
 
     def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
         b, k = token_index(call.readout)
@@ -3275,7 +3376,8 @@ def cmd_rollout(args) -> int:
     stop_ids = setup_prompts(tok, args, model.config)
     prompts = read_prompts(args, model.config, tok)
     policy = Policy(**flag_fields(Policy, args) | {"stop_ids": stop_ids})
-    ro = rollout(model, prompts, policy, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    run = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, max_num_seqs=args.max_num_seqs)
+    ro = rollout(model, prompts, policy, **run)
     if bad := int((~torch.isfinite(ro.logprobs) & ro.mask).sum()):  # never write a record no verifier could check
         raise ValueError(
             f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
@@ -3343,9 +3445,19 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
     per_call, head = b * sum(p.numel() for m in body for p in m.parameters()), b * model.lm_head.weight.numel()
     kv_position, total = 2 * cfg.num_key_value_heads * cfg.head_dim * b * cfg.num_hidden_layers, 0
     for c in ro.schedule.calls:
-        Tk = max(p for _, p in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
-        total += per_call + (head if c.readout else 0) + len({s for s, _ in c.rows}) * Tk * kv_position
+        Tk = max(p for _, p, _ in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
+        total += per_call + (head if c.readout else 0) + len({s for s, _, _ in c.rows}) * Tk * kv_position
     return total
+
+
+def no_wait_calls(ro: Rollout, slots: int = 0) -> int:
+    """The calls of a rollout in which no sequence waits for another: each a job of the calls it makes alone
+    (deferred: the sum of its tokens' exit loops; dense: R a token), placed in order into `slots` (0: all) as
+    they free."""
+    free, R = [0] * (slots or len(ro.prompts)), ro.schedule.loops  # free: a heap of when each slot frees
+    for exits in ro.exit_loops:
+        heapq.heapreplace(free, free[0] + (sum(exits) if ro.policy.mode == "deferred" else R * len(exits)))
+    return max(free)
 
 
 Measured = tuple[list[tuple[str, str]], dict]  # a measurement's table rows (what, text) and its summary figures
@@ -3386,7 +3498,8 @@ def _bench_rollout(
 ) -> Rollout:
     """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled or greedy."""
     policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
-    return rollout(model, prompts, policy, max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed)
+    run = dict(max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed, max_num_seqs=s.args.max_num_seqs)
+    return rollout(model, prompts, policy, **run)
 
 
 def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measured]:
@@ -3407,6 +3520,11 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
         f"x{ideal:.2f}, {100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops dense "
         f"{ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; same tokens and exit loops: {same}"
     )
+    per_token = {
+        m: (len(ro.schedule.calls) / tokens, no_wait_calls(ro, s.args.max_num_seqs) / tokens)
+        for m, (ro, _) in runs.items()
+    }
+    calls = ", ".join(f"{m} {a:.4f} (no-wait bound {b:.4f})" for m, (a, b) in per_token.items())
     read = {m: rollout_bytes(model, ro) for m, (ro, _) in runs.items()}
     fraction = {m: read[m] / statistics.median(t) / s.bandwidth for m, (_, t) in runs.items()}
     roofline = (
@@ -3416,7 +3534,9 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
     )
     figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
     figures |= {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
-    return runs, ([(f"rollout b={B}", speed), (f"roofline b={B}", roofline)], figures)
+    figures |= {f"calls_per_token_{m}_b{B}": round(a, 4) for m, (a, _) in per_token.items()}
+    rows = [(f"rollout b={B}", speed), (f"calls per token b={B}", calls), (f"roofline b={B}", roofline)]
+    return runs, (rows, figures)
 
 
 def _replay_vs_rollout(s: _BenchSetup, model: LoopedLM, runs: Runs) -> tuple[Rollout, list[float], Measured]:
@@ -3567,14 +3687,14 @@ def cmd_bench(args) -> int:
         )
 
     step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
-    mine = dict(rollout_batch=args.rollout_batch, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
+    mine = dict(max_num_seqs=args.max_num_seqs, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
     for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
         for what, settings in (("memory plan", mine), ("  without them", {})):
             plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
             print(f"  {dtype_name:<9} {what:<26} {'; '.join(plan_lines(plan))}", flush=True)
     print(
         f"  (the plan's step: {args.plan_sequences} x ({args.plan_prompt_len} + {args.plan_new_tokens}), "
-        f"--micro-batch {args.micro_batch}, --rollout-batch {args.rollout_batch}, "
+        f"--micro-batch {args.micro_batch}, --max-num-seqs {args.max_num_seqs}, "
         f"{'' if args.grad_checkpoint else 'no '}--grad-checkpoint)",
         flush=True,
     )
@@ -3644,6 +3764,7 @@ class RolloutFlags(ModelFlags):
     prompt_format: str = _flag("raw", "a 'prompt' as given, or in the chat template", choices=("raw", "chat"))
     thinking: bool = _flag(False, "chat: enable_thinking, and open '<think>' where the template does not")
     seed: int = _flag(0, "sampling seed (sequence i draws from seed and i)", within=(0, MAX_SEED))
+    max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP, within=(0, MAX_COUNT))
     exit_policy: str = _flag("threshold", "threshold (the exit rule) or sampled (exits drawn from the gates; records "
         "gain exit_logprobs)", choices=EXIT_POLICIES)
     # fmt: on
@@ -3698,7 +3819,7 @@ class BenchFlags:
     plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))
     plan_new_tokens: int = _flag(1024, "the memory plan's new tokens", within=(1, MAX_COUNT))
     micro_batch: int = _flag(1, "the memory plan's sequences per backward (0: the whole step)", within=(0, MAX_COUNT))
-    rollout_batch: int = _flag(0, "the memory plan's sequences per rollout chunk (0: the whole step)",
+    max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP + ": the rollouts' and the memory plan's",
         within=(0, MAX_COUNT))
     grad_checkpoint: bool = _flag(True, "the memory plan with activation checkpointing (--no-grad-checkpoint: without)")
     # fmt: on
@@ -3734,7 +3855,7 @@ DEMO_PRESET = {
     "mu": (2, "GRPO inner iterations per batch of rollouts"),
     "micro_batch": (0, "sequences per backward, gradients accumulated (0: the whole step)"),
     "grad_checkpoint": (False, "teacher forcing recomputes each layer in backward (activation checkpointing)"),
-    "rollout_batch": (0, "sequences per rollout chunk, each replayed on its own (0: the whole step)"),
+    "max_num_seqs": (0, MAX_NUM_SEQS_HELP + " (--rollout-batch: the same)"),
     "max_new_tokens": (16, "completion length limit"),
     "temperature": (1.0, "GRPO's sampling temperature (the held-out evaluation is greedy)"),
     "stop_ids": (None, "ids that end a completion (default: the byte tokenizer's EOS, 257)"),
