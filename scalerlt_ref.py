@@ -228,7 +228,6 @@ class Rows:
     line_last: torch.Tensor
     grids: list[Grid]
     unorder: torch.Tensor  # (n,) the grids' rows back in the call's order
-    embeds: bool  # some row runs loop 1 (its input: the token's embedding)
     alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
@@ -252,8 +251,7 @@ class Rows:
         slot = torch.tensor([slot_of[b] for b, _, _ in rows], device=device)  # (n,)
         unorder = torch.cat([g.rows for g in grids]).argsort()
         per_row = (seq, pos, loop, slot, (loop - 1) * S + slot)
-        embeds = any(r == 1 for _, _, r in rows)
-        return cls(rows, slot_of, S, *per_row, line_slot, line_loop, line_last, grids, unorder, embeds)
+        return cls(rows, slot_of, S, *per_row, line_slot, line_loop, line_last, grids, unorder)
 
     def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`), packed once
         if (i.start, i.stop) not in self.alone:
@@ -462,16 +460,11 @@ def uniforms(gens: list[torch.Generator | None], device) -> torch.Tensor:
     return torch.stack(draws).to(device)
 
 
-def draws_exit(r: int, R: int, min_loops: int) -> bool:
-    """Does a position deciding at loop r draw its exit (`sample_exits`)?"""
-    return min_loops <= r < R
-
-
 def sample_exits(g: torch.Tensor, r: torch.Tensor, R: int, min_loops: int, u: torch.Tensor) -> torch.Tensor:
     """The sampled exit policy after each row's loop r (n,) long: r (exit now)
     or 0. g (n,): the rows' loop-r gates; u (n,) float64: their draws, read
-    where `draws_exit`. Before min_loops: stay; at R: exit; else exit iff
-    u < lam (Derivations)."""
+    where min_loops <= r < R. Before min_loops: stay; at R: exit; else exit
+    iff u < lam (Derivations)."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
@@ -506,6 +499,7 @@ class LoopCache:
     v: list[torch.Tensor]
     h: torch.Tensor
     depth: torch.Tensor
+    S: int
     slot_of: dict[int, int] = field(default_factory=dict)
 
     @classmethod
@@ -516,11 +510,7 @@ class LoopCache:
         k = [kv() for _ in model.model.layers]
         v = [kv() for _ in model.model.layers]
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev))
-
-    @property
-    def S(self) -> int:
-        return self.h.shape[0]
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
         """For each (b, s): sequence b takes slot s, once; the slot starts empty
@@ -568,7 +558,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if rows.embeds:  # loop 1 starts from the token's embedding
+    if any(r == 1 for _, _, r in call.rows):  # loop 1 starts from the token's embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
     cache.depth[slot, pos] = r
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]  # (Bc, T)
@@ -818,6 +808,7 @@ def rollout(
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
     completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
     exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: no token
+    exits[:, 0] = R + 1  # token 0 of each sequence: undecided
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
     positions = torch.arange(T, device=dev)
@@ -827,6 +818,7 @@ def rollout(
     ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
     focus, done, length = list(ends), [0] * B, [0] * B
     held, stopped = {}, set()  # held: a group's other -> its leader, until the prompt is shared
+    runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731 (R loops of its focus)
     calls = []
     while waiting or seat:
         # 1) Free slots take the next sequences (`execute_call` seats them).
@@ -837,8 +829,6 @@ def rollout(
             a = leader.setdefault(tuple(prompts[b]), b)
             if a != b and ends[b] > 0:
                 held[b], focus[a] = a, ends[a] - 1  # the leader's prompt but its last position
-        if enter:
-            exits[[b for b, _ in enter], 0] = R + 1  # token 0: undecided
         # 2) Each sequence in flight runs its focus's next loop; earlier positions done with r-1 ride along.
         live = sorted(s for s, b in seat.items() if b not in held)
         loop = {seat[s]: done[seat[s]] + 1 for s in live}
@@ -862,7 +852,7 @@ def rollout(
             gates[b, t, r - 1] = g
             deciders = [call.rows[i] for i in dec.tolist()]
             if policy.exit_policy == "sampled":
-                draw = [gens[c] if draws_exit(q, R, policy.min_loops) else None for c, _, q in deciders]
+                draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]  # who draws
                 e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, dev))
             else:
                 e = exit_loops(gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
@@ -885,7 +875,7 @@ def rollout(
             for (c, q, _), ends_here in zip(call.readout, stop.tolist()):
                 length[c] += 1
                 stopped.update([c] if ends_here else [])
-                if not (ends_here or dense or kv.prefill_all_loops and q == ends[c]):
+                if not (ends_here or runs_all(c)):
                     focus[c], done[c] = q + 1, 0  # deferred: the new position is the focus
         # 5) A focus done with all R loops moves on: the shared prompt's end, the next position, or out.
         for s in live:
@@ -894,7 +884,7 @@ def rollout(
                 for a in [b] + [a for a, c in held.items() if c == b]:
                     focus[a], done[a] = ends[a], 0
                     held.pop(a, None)
-            elif b in stopped and (done[b] == R or not (dense or kv.prefill_all_loops and focus[b] == ends[b])):
+            elif b in stopped and (done[b] == R or not runs_all(b)):
                 del seat[s]  # its slot is free for the next sequence
             elif done[b] == R:
                 focus[b], done[b] = focus[b] + 1, 0
@@ -930,7 +920,9 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 1 + max((s for call in calls for _, s in call.enter), default=-1)  # the rollout's S
+    slots = 0  # the rollout's S: one more than the largest slot a call seats
+    for call in calls:
+        slots = max([slots] + [s + 1 for _, s in call.enter])
     cache = LoopCache.empty(model, slots, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
