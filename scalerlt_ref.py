@@ -196,7 +196,7 @@ class Grid:
         grid = torch.tensor(grid, device=device)[:, None, :, None]  # (Bc, 1, Tq, 1)
         masked = torch.arange(Tk, device=device) > grid  # (Bc, 1, Tq, Tk)
         rows, line, col = torch.tensor([rows, line, col], device=device)  # (m,) each
-        return cls(rows, line, col, torch.tensor([kv for kv, _, _ in lines], device=device), masked, Tk)
+        return cls(rows, line, col, torch.tensor([k for k, _, _ in lines], device=device), masked, Tk)
 
 
 @dataclass
@@ -234,18 +234,19 @@ class Rows:
     def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
-        lines: dict[int, tuple[int, list[int], list[int]]] = {}  # b -> (loop, positions, row indices)
+        lines = {}  # b -> (its loop, positions, row indices)
         for i, (b, p, r) in enumerate(rows):
             loop, ps, index = lines.setdefault(b, (r, [], []))
             if loop != r or b not in slot_of or r < 1:
-                raise ScheduleError(f"sequence {b}: its rows in one call must share one loop >= 1, in a slot")
+                raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1 and a slot")
             ps.append(p)
             index.append(i)
-        per_line = [(b, r, ps[-1]) for b, (r, ps, _) in lines.items()]
-        line_slot, line_loop, line_last = torch.tensor([(slot_of[b], r, p) for b, r, p in per_line], device=device).T
+        per_line = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lines.items()]  # slot, loop, last
+        line_slot, line_loop, line_last = torch.tensor(per_line, device=device).T
+        kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lines.items()}
         grids = []
         for alone in (True, False):  # lines of one row, then lines of several
-            some = [((r - 1) * S + slot_of[b], ps, ix) for b, (r, ps, ix) in lines.items() if (len(ps) == 1) == alone]
+            some = [(kv[b], ps, ix) for b, (_, ps, ix) in lines.items() if (len(ps) == 1) == alone]
             grids += [Grid.of(some, device)] if some else []
         seq, pos, loop = torch.tensor(rows, device=device).T  # (n,) each
         slot = torch.tensor([slot_of[b] for b, _, _ in rows], device=device)  # (n,)
@@ -283,7 +284,8 @@ class Attention(nn.Module):
         for g in rows.grids:
             K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each line's loop
             V = v_cache[g.kv, :, : g.Tk]
-            out.append(recomputed(self.attend, redo, q if len(rows.grids) == 1 else q[g.rows], K, V, g))
+            qg = q if len(rows.grids) == 1 else q[g.rows]  # (m, H, D)
+            out.append(recomputed(self.attend, redo, qg, K, V, g))
         return out[0] if len(out) == 1 else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
@@ -292,7 +294,7 @@ class Attention(nn.Module):
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
         qp = q.new_zeros(Bc, Tq, H, D)  # the grid
         qp[g.line, g.col] = q  # (Bc, Tq, H, D)
-        qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)  # a K/V head's
+        qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
         att = att.masked_fill(g.masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
@@ -507,8 +509,7 @@ class LoopCache:
         cfg, dt, dev = model.config, model.dtype, model.device
         R, KVH, D = cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
         kv = lambda: torch.zeros(R * S, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
-        k = [kv() for _ in model.model.layers]
-        v = [kv() for _ in model.model.layers]
+        k, v = [kv() for _ in model.model.layers], [kv() for _ in model.model.layers]
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S)
 
@@ -519,13 +520,11 @@ class LoopCache:
             if b in self.slot_of or not 0 <= s < self.S:
                 raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
             self.slot_of[b] = s
-        if pairs:
-            self.depth[[s for _, s in pairs]] = 0
+        self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
         """For each (dst, src): sequence dst's whole cache becomes src's."""
-        dst = [self.slot_of[b] for b, _ in pairs]
-        src = [self.slot_of[a] for _, a in pairs]
+        dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
             lines = t.view(-1, self.S, *t.shape[1:])  # (R, S, KVH, T, D)
             lines[:, dst] = lines[:, src]
@@ -566,7 +565,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     if late + missing:  # one read back per call
         loops = sorted({r for _, _, r in call.rows})
         raise ScheduleError(
-            f"call at loops {loops}: a row is not done with loop r - 1, or attends to a K/V never computed"
+            f"call at loops {loops}: a row not done with loop r - 1, or attending to a K/V never computed"
         )
     h = model.loop(x, rows, cache.k, cache.v, numerics)  # (n, C)
     cache.h[slot, pos] = h
@@ -665,13 +664,11 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numer
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
-def deciding(
-    loop: int, seq: torch.Tensor, pos: torch.Tensor, prompt_end: torch.Tensor, exits: torch.Tensor
-) -> torch.Tensor:
-    """Which rows (seq, pos) (n,) of a call at `loop` decide an exit: (n,) bool.
-    prompt_end (B,): each prompt's last position, which produces completion
-    token 0: row (b, p) produces token p - prompt_end[b]. exits (B, N) long:
-    each token's exit loop (0: none). A row decides while loop <= that.
+def deciding(loop, seq: torch.Tensor, pos: torch.Tensor, prompt_end: torch.Tensor, exits: torch.Tensor):
+    """Which rows (seq, pos) (n,) of a call at `loop` (n,) decide an exit: (n,)
+    bool. Row (b, p) produces token p - prompt_end[b] (prompt_end (B,): each
+    prompt's last position); it decides while loop <= exits[b, token] (exits
+    (B, N) long: each token's exit loop, 0: none).
     The ONE statement of the rule, for both sides: the rollout marks the token
     being sampled R + 1 (undecided: its row decides until it exits), the replay
     passes the recorded exits (loops 1..e decide again: sampled exits' log-probs
@@ -706,9 +703,6 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-
-    def row_loops(self) -> int:  # (row, loop) units of work
-        return sum(len(call.rows) for call in self.calls)
 
 
 @dataclass
@@ -760,25 +754,18 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 @torch.no_grad()
 def rollout(
-    model: LoopedLM,
-    prompts: list[list[int]],
-    policy: Policy = Policy(),
-    *,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    sequence_ids: list[int] | None = None,
-    max_num_seqs: int = 0,
-) -> Rollout:
+    model: LoopedLM, prompts: list[list[int]], policy: Policy = Policy(), *, max_new_tokens: int = 32,
+    seed: int = 0, sequence_ids: list[int] | None = None, max_num_seqs: int = 0,
+) -> Rollout:  # fmt: skip
     """Sample completions of `prompts` under `policy`; record everything.
 
-    At most `max_num_seqs` sequences are in flight (0: all), each in a slot of
-    the cache; one that stops frees its slot for the next at the next call.
-    Each call advances every sequence in flight by one loop, at its own depth
-    (Contract §4): its *focus* runs its next loop r, and every earlier position
-    that has done exactly r-1 loops rides along. The focus is the newest
-    position; when it exits it samples the next token, which becomes the focus
-    (deferred) or waits until the newest has run all R loops (dense). A 3-token
-    prompt, R = 3, new tokens exiting at 1, 3, 1, 2 (a cell: the call; `schedule_grid`):
+    At most `max_num_seqs` sequences are in flight (0: all), each in a slot;
+    a stopped one's slot takes the next. Each call advances every sequence in
+    flight one loop, at its own depth (Contract §4): its *focus*, the newest
+    position, runs its next loop r, and every earlier position at r-1 rides
+    along. An exiting focus samples the next token, the focus at once
+    (deferred) or once the newest has run all R loops (dense). A 3-token
+    prompt, R = 3, tokens exiting at 1, 3, 1, 2 (a cell: the call; `schedule_grid`):
 
         dense                      deferred
         pos   L1  L2  L3           pos   L1  L2  L3
@@ -792,13 +779,13 @@ def rollout(
     Same tokens, 12 calls or 7; with more sequences, a call carries each at its
     own loop, and nothing waits for another's depth or length. NOTE: riding
     along is safe: loop r of a position reads only earlier positions' loop-r
-    K/V, brought up to r no later than now. Same uniforms in both: Derivations (rollout)."""
+    K/V, brought up to r no later than now. Same draws: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
     if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or max_num_seqs < 0:
         need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
-        raise ValueError(f"need {need} and max_num_seqs >= 0")
+        raise ValueError(f"need {need}, max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
@@ -813,12 +800,13 @@ def rollout(
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
     positions = torch.arange(T, device=dev)
     stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)
-    # ... and on the host: who sits where, and each sequence's focus and its loops done.
+    # ... and on the host: who sits where; each sequence's focus, its loops done.
     waiting, seat = list(range(B))[::-1], {}  # pop(): the next to enter; slot -> sequence
     ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
     focus, done, length = list(ends), [0] * B, [0] * B
     held, stopped = {}, set()  # held: a group's other -> its leader, until the prompt is shared
-    runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731 (R loops of its focus)
+    # runs_all(b): does b's focus run all R loops? (dense; last_exited's prefill)
+    runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731
     calls = []
     while waiting or seat:
         # 1) Free slots take the next sequences (`execute_call` seats them).
@@ -829,11 +817,11 @@ def rollout(
             a = leader.setdefault(tuple(prompts[b]), b)
             if a != b and ends[b] > 0:
                 held[b], focus[a] = a, ends[a] - 1  # the leader's prompt but its last position
-        # 2) Each sequence in flight runs its focus's next loop; earlier positions done with r-1 ride along.
+        # 2) Each focus runs its next loop r; earlier positions at r - 1 ride along.
         live = sorted(s for s, b in seat.items() if b not in held)
         loop = {seat[s]: done[seat[s]] + 1 for s in live}
         f, r = torch.tensor([[focus[seat[s]], loop[seat[s]]] for s in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,) not yet seated
+        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,) seated now
         depth = torch.where(fresh[:, None], 0, cache.depth[live])  # (k, T)
         todo = (depth == r[:, None] - 1) & (positions <= f[:, None])  # (k, T)
         rows = [(seat[live[i]], p, loop[seat[live[i]]]) for i, p in todo.nonzero().tolist()]
@@ -852,7 +840,7 @@ def rollout(
             gates[b, t, r - 1] = g
             deciders = [call.rows[i] for i in dec.tolist()]
             if policy.exit_policy == "sampled":
-                draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]  # who draws
+                draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]
                 e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, dev))
             else:
                 e = exit_loops(gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
@@ -877,10 +865,10 @@ def rollout(
                 stopped.update([c] if ends_here else [])
                 if not (ends_here or runs_all(c)):
                     focus[c], done[c] = q + 1, 0  # deferred: the new position is the focus
-        # 5) A focus done with all R loops moves on: the shared prompt's end, the next position, or out.
+        # 5) A focus done with loop R moves on: the shared prompt's end, the next position, or out.
         for s in live:
             b = seat[s]
-            if done[b] == R and focus[b] < ends[b]:  # a leader's prompt is shared: the group goes on
+            if done[b] == R and focus[b] < ends[b]:  # the prompt is shared: the group goes on
                 for a in [b] + [a for a, c in held.items() if c == b]:
                     focus[a], done[a] = ends[a], 0
                     held.pop(a, None)
@@ -889,9 +877,8 @@ def rollout(
             elif done[b] == R:
                 focus[b], done[b] = focus[b] + 1, 0
     # 6) The exits' log-probs, from the deciding gates, as the replay's.
-    exit_lp = torch.zeros_like(logprobs)  # threshold: not drawn, log p = 0
-    if policy.exit_policy == "sampled":
-        exit_lp = exit_logprob(gates, exits, policy.min_loops)
+    sampled = policy.exit_policy == "sampled"  # threshold: exits not drawn, log p = 0
+    exit_lp = exit_logprob(gates, exits, policy.min_loops) if sampled else torch.zeros_like(logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
     completions = [c[:n] for c, n in zip(completions.tolist(), length)]
     exit_list = [e[:n] for e, n in zip(exits.tolist(), length)]
@@ -904,13 +891,10 @@ def rollout(
 
 
 def execute_schedule(
-    model: LoopedLM,
-    ro: Rollout,
-    calls: list[Call],
-    numerics: str,
+    model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
     on_call: Callable[[Call, torch.Tensor], None] | None = None,
     on_readout: Callable[[Call, torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
     rollout's own schedule, the teacher-forced forward when it is the dense one.
 
@@ -920,7 +904,7 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: one more than the largest slot a call seats
+    slots = 0  # the rollout's S: 1 + the largest slot seated
     for call in calls:
         slots = max([slots] + [s + 1 for _, s in call.enter])
     cache = LoopCache.empty(model, slots, tokens.shape[1])
@@ -3381,7 +3365,7 @@ def cmd_rollout(args) -> int:
     n = int(ro.mask.sum())
     mean_exit_loop = sum(map(sum, ro.exit_loops)) / max(1, n)
     summary = {"sequences": len(prompts), "tokens": n, "out": args.out, "mean_exit_loop": mean_exit_loop}
-    print(json.dumps(summary | {"row_loops": ro.schedule.row_loops(), "calls": len(ro.schedule.calls)}))
+    print(json.dumps(summary | {"row_loops": row_loops(ro.schedule), "calls": len(ro.schedule.calls)}))
     return 0
 
 
@@ -3440,6 +3424,11 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
         Tk = max(p for _, p, _ in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
         total += per_call + (head if c.readout else 0) + len({s for s, _, _ in c.rows}) * Tk * kv_position
     return total
+
+
+def row_loops(schedule: Schedule) -> int:
+    """A schedule's (row, loop) units of work."""
+    return sum(len(call.rows) for call in schedule.calls)
 
 
 def no_wait_calls(ro: Rollout, slots: int = 0) -> int:
@@ -3510,7 +3499,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
     speed = (
         f"dense {tokens / med_dense:.1f} tok/s, deferred {tokens / med_def:.1f} tok/s: x{speedup:.2f} (ideal "
         f"x{ideal:.2f}, {100 * speedup / ideal:.0f}% of it); mean exit loop {mean_exit:.2f}; row-loops dense "
-        f"{ro_dense.schedule.row_loops()}, deferred {ro_def.schedule.row_loops()}; same tokens and exit loops: {same}"
+        f"{row_loops(ro_dense.schedule)}, deferred {row_loops(ro_def.schedule)}; same tokens and exit loops: {same}"
     )
     per_token = {
         m: (len(ro.schedule.calls) / tokens, no_wait_calls(ro, s.args.max_num_seqs) / tokens)
