@@ -502,7 +502,8 @@ class LoopCache:
     h: torch.Tensor
     depth: torch.Tensor
     S: int
-    slot_of: dict[int, int] = field(default_factory=dict)
+    slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
+    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
 
     @classmethod
     def empty(cls, model: LoopedLM, S: int, T: int) -> "LoopCache":
@@ -519,7 +520,7 @@ class LoopCache:
         for b, s in pairs:
             if b in self.slot_of or not 0 <= s < self.S:
                 raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
-            self.slot_of[b] = s
+            self.slot_of[b], self.holder[s] = s, b
         self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
@@ -552,6 +553,10 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     tokens (B, T) long. NOTE: same call, cache and numerics => same bits:
     replay rests on this."""
     cache.seat(call.enter)
+    seqs = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share))
+    deepest = max((r for _, _, r in call.rows), default=1)
+    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or deepest > len(cache.k[0]) // cache.S:
+        raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device)
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
     # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
@@ -783,9 +788,9 @@ def rollout(
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
-    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or max_num_seqs < 0:
+    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or min(N, max_num_seqs + 1) < 1:
         need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
-        raise ValueError(f"need {need}, max_num_seqs >= 0")
+        raise ValueError(f"need {need}, max_new_tokens >= 1, max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
@@ -904,9 +909,9 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: 1 + the largest slot seated
+    slots = 0  # the rollout's S: 1 + the largest slot seated, at most B
     for call in calls:
-        slots = max([slots] + [s + 1 for _, s in call.enter])
+        slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
     cache = LoopCache.empty(model, slots, tokens.shape[1])
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)

@@ -1231,6 +1231,27 @@ def test_a_broken_schedule_stops_with_a_named_error(case, mode, data):
         S.Rows.of([(0, 1, 1), (0, 0, 1)], {0: 0}, 1, "cpu")
 
 
+@pytest.mark.parametrize("misuse", ["slot taken", "share unseated", "loop past R", "slot past B"])
+def test_a_schedule_that_misuses_a_slot_stops_with_a_named_error(misuse):
+    """A replayed schedule whose call seats a sequence in a slot still in use, shares to a sequence never seated,
+    runs a loop past R, or names a slot past the batch raises ScheduleError, never a wrong log-prob or an
+    IndexError (and never sizes a cache by a slot number)."""
+    model = S.LoopedLM(S.load_config(TINY_JSON), seed=0)
+    ro = S.rollout(model, [[1, 2, 3], [4, 5, 6]], S.Policy("dense"), max_new_tokens=3, max_num_seqs=2)
+    schedule = S.schedule_from_json(S.schedule_to_json(ro.schedule))
+    first = schedule.calls[0]
+    if misuse == "slot taken":
+        first.enter = [(0, 0), (1, 0)]
+    elif misuse == "share unseated":
+        first.enter, first.share = [(0, 0)], [(1, 0)]
+    elif misuse == "loop past R":
+        first.rows = [(b, p, model.config.total_ut_steps + 1) for b, p, _ in first.rows]
+    else:
+        first.enter = [(0, 0), (1, 10**6)]
+    with pytest.raises(S.ScheduleError):
+        S.replay_logprobs(model, dataclasses.replace(ro, schedule=schedule))
+
+
 def test_the_schedule_guard_holds_under_python_O():
     """The guard is an error, not an `assert`: `python -O` (which strips asserts) still stops a broken schedule."""
     code = (
