@@ -900,12 +900,10 @@ def execute_schedule(
     on_call: Callable[[Call, torch.Tensor], None] | None = None,
     on_readout: Callable[[Call, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run `calls` over the rollout's tokens, teacher-forcing them: the replay when `calls` is the
-    rollout's own schedule, the teacher-forced forward when it is the dense one.
-
-    Returns (token, exit) log-probs, (B, N) each, 0 where mask is False: the recorded tokens' where the calls
-    read out; `exit_logprob` of the recorded exits from their deciding rows' gates (threshold: zeros).
-    `on_call(call, h)` and `on_readout(call, logp)` see each call's output and readout (the oracle's)."""
+    """Run `calls` over the rollout's tokens: its own schedule (the replay) or the dense one (teacher
+    forcing). Returns (token, exit) log-probs (B, N), 0 where mask is False: the recorded tokens' where
+    calls read out; `exit_logprob` of the recorded exits from their deciding gates (threshold: zeros).
+    `on_call(call, h)`, `on_readout(call, logp)`: each call's output and readout (the oracle's)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
@@ -995,10 +993,9 @@ def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.T
 def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learner's joint log-prob of each step, (B, N): `hybrid(value, tf)`, tokens and exits alike.
-
-    `value` (token, exit log-probs): the exact value when the caller has it (GRPO's first iteration: the
-    sampler's records); else the replay's. Returns (logp, tf): the hybrid, and tf (a naive learner's)."""
+    """The learner's joint log-prob of each step, (B, N): `hybrid(value, tf)`, tokens and exits alike;
+    `value` the exact (token, exit) log-probs if known (GRPO's first iteration: the sampler's records),
+    else the replay's. Returns (logp, tf): the hybrid, and tf (a naive learner's)."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
@@ -1066,11 +1063,9 @@ def grpo_loss(
     count=None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
-
-    Per token: ratio = exp(logp - logp_old); min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), less
-    beta * k3 KL to `ref_logp`; summed over masked tokens and divided by `count` (`loss_count`: tokens for
-    token_mean (DAPO), sequences of token means for seq_mean_token_mean (GRPO), B * N for dr_grpo).
-    logp_old is the sampler's *recorded* log-prob, exact here: iteration 1's ratios are exactly 1.0."""
+    Per token min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), ratio = exp(logp - logp_old), less beta *
+    k3 KL to `ref_logp`; summed over masked tokens, divided by `count` (`loss_count`). logp_old is the
+    sampler's *recorded* log-prob, exact here: iteration 1's ratios are exactly 1.0."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
     a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1); the clip range
@@ -1158,12 +1153,10 @@ def grpo_update(
     ref_model: LoopedLM | None = None,
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict:
-    """mu GRPO iterations on one batch of rollouts; metrics in TRL/verl names.
-
-    Log-probs from `learner_logprobs`: the exact value, the teacher-forced gradient. Iteration 1's value is
-    the sampler's record (`check_replay`: the replay must match it bit for bit); later ones the replay's.
-    Sampled exits: log-probs are joint, token + exit. `grpo.micro_batch`: that many sequences a backward,
-    the whole step's `loss_count`, gradients summed. `all_reduce` (data parallel) sums across processes."""
+    """mu GRPO iterations on one batch of rollouts; metrics in TRL/verl names. Log-probs: `learner_logprobs`
+    (sampled exits: joint). Iteration 1's value is the sampler's record (`check_replay`: the replay must match
+    it bit for bit), later ones the replay's. `grpo.micro_batch` sequences a backward, the whole step's
+    `loss_count`, gradients summed; `all_reduce` (data parallel) sums across processes."""
     mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
