@@ -3798,8 +3798,8 @@ class BenchFlags:
     plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))
     plan_new_tokens: int = _flag(1024, "the memory plan's new tokens", within=(1, MAX_COUNT))
     micro_batch: int = _flag(1, "the memory plan's sequences per backward (0: the whole step)", within=(0, MAX_COUNT))
-    max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP + ": the rollouts' and the memory plan's",
-        within=(0, MAX_COUNT))
+    max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP + ": the rollouts' and the memory plan's (--rollout-batch: the "
+        "same)", within=(0, MAX_COUNT), alias="--rollout-batch")
     grad_checkpoint: bool = _flag(True, "the memory plan with activation checkpointing (--no-grad-checkpoint: without)")
     # fmt: on
 
