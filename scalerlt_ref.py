@@ -555,7 +555,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     cache.seat(call.enter)
     seqs = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share))
     deepest = max((r for _, _, r in call.rows), default=1)
-    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or deepest > len(cache.k[0]) // cache.S:
+    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or deepest > cache.k[0].shape[0] // cache.S:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device)
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
