@@ -3050,6 +3050,25 @@ def logged_rollouts(folder: Path) -> dict:
     return out
 
 
+def test_a_training_step_in_one_slot_is_the_step_all_at_once(tmp_path, micro_json):
+    """`train` rolls a step out as one rollout in --max-num-seqs slots, each sequence drawing from its global
+    index: under invariant numerics 2 steps in 1 slot and in 3 log the rollouts of all at once, bit for bit, and
+    end at the same weights, and each group's members draw apart (a sequence seeded by its slot fails it)."""
+    base = dict(config=micro_json, steps=2, prompts_per_step=2, group_size=3, max_new_tokens=4, reward="digits",
+                numerics="invariant", log_rollouts=True, seed=5)  # fmt: skip
+    runs, models = {}, {}
+    for k in (0, 1, 3):
+        out = tmp_path / f"slots{k}"
+        models[k] = S.train(S.TrainConfig(max_num_seqs=k, out=str(out), **base), log=lambda *_: None)["model"]
+        runs[k] = logged_rollouts(out)
+    assert len(runs[0]) == 12 and runs[1] == runs[0] and runs[3] == runs[0]
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p, q), f"1 slot vs all at once: max |diff| = {maxdiff(p, q):.3e}"
+    for step in (1, 2):  # each group's 3 members draw apart
+        draws = [tuple(map(tuple, runs[0][step, i][:2])) for i in range((step - 1) * 6, step * 6)]
+        assert len(set(draws[:3])) > 1 and len(set(draws[3:])) > 1, draws
+
+
 @slow_job("test_two_processes_match_one", "test_two_processes_in_micro_batches_match_the_whole_batch")
 def _torchrun_job(tmp: Path, forks: ForkServer) -> dict[str, tuple]:
     """Per dtype: 2 steps of `train` in one process (one) and under torchrun with 2 gloo processes (two),
