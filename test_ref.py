@@ -1201,6 +1201,18 @@ def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
     assert torch.equal(replay, ro.logprobs), f"max |diff| = {maxdiff(replay, ro.logprobs):.3e}"
 
 
+def test_the_run_seed_changes_the_draws_and_each_seed_repeats():
+    """Each sequence's generator is seeded by the run's seed and its index: a seed repeats its rollout bit for
+    bit, and seeds 0 and 1 draw other completions (8 tokens of 4 sequences at temperature 1 from a 260-token
+    vocabulary: equal by chance with probability far below 1e-9). A sequence seed that ignored the run's fails."""
+    model = S.LoopedLM(S.load_config(TINY_JSON), seed=0)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    runs = {seed: [S.rollout(model, prompts, max_new_tokens=8, seed=seed) for _ in range(2)] for seed in (0, 1)}
+    for seed, (a, b) in runs.items():
+        assert (a.completions, a.exit_loops) == (b.completions, b.exit_loops) and torch.equal(a.logprobs, b.logprobs)
+    assert all(x != y for x, y in zip(runs[0][0].completions, runs[1][0].completions)), runs[0][0].completions
+
+
 def test_schedule_json_refuses_a_bad_share_pair():
     """A share pair copies one sequence's cache onto another: a sequence onto itself or a negative index is refused."""
     call = {"rows": [[0, 0, 1], [1, 0, 1]], "readout": [], "enter": [[0, 0], [1, 1]]}
@@ -2276,6 +2288,32 @@ def test_micro_batched_update_on_a_slotted_rollout_is_exact(gc, mode, dtype, bet
     tok, ext = S.replay_logprobs(model, ro, with_exits=True)
     assert torch.equal(tok, ro.logprobs), f"{k} slots: replay off by {maxdiff(tok, ro.logprobs):.3e}"
     assert torch.equal(ext, ro.exit_logprobs), f"{k} slots: exits off by {maxdiff(ext, ro.exit_logprobs):.3e}"
+
+
+@examples(10)
+@given(gc=grpo_cases(), mode=modes, data=st.data())
+def test_micro_batched_metrics_are_the_whole_steps(gc, mode, data):
+    """A step's KL and clip-ratio metrics in micro-batches of 1..B-1 are the whole step's: each micro-batch's
+    means weighted by its tokens (sequences end at different lengths, so plain means of the means differ).
+    float64, invariant numerics: every term is the same in both and the weights after iteration 1 differ by
+    rounding alone, but `grpo_loss` sums each metric in float32 over at most B x N = 30 tokens: rel 30 x 2^-24
+    < 2e-6. mu = 2 with a large SGD step, so iteration 2 clips."""
+    case, G, rewards = gc
+    mb = data.draw(between(1, len(case.prompts) - 1), label="micro_batch")
+    model = case.model(torch.float64)
+    ro = _grpo_rollout(case, model, mode)
+    assume(len(set(map(len, ro.completions))) > 1)
+    reference = S.LoopedLM(case.cfg, seed=case.model_seed + 1).to(torch.float64)
+    metrics = {}
+    for size in (0, mb):
+        m = copy.deepcopy(model)
+        g = S.GRPOConfig(group_size=G, beta=0.1, mu=2, micro_batch=size, max_grad_norm=1e9)
+        metrics[size] = S.grpo_update(
+            m, torch.optim.SGD(m.parameters(), lr=3.0), ro, rewards, g, "invariant", reference
+        )
+    for key in ("kl", "clip_ratio"):
+        a, b = metrics[0][key], metrics[mb][key]
+        assert abs(a - b) <= 2e-6 * max(abs(a), 1e-12), f"{key}: whole step {a!r}, micro-batches of {mb} {b!r}"
 
 
 @st.composite
@@ -3917,7 +3955,8 @@ def test_memory_plan_learner_is_what_autograd_keeps(dtype, checkpoint, shape):
 def test_memory_plan_parts_hand_counted():
     """Ouro-1.4B (1,434,652,673 weights) in bfloat16: the state's parts by hand (2, 4, 2, 8 and 2 bytes a weight),
     each phase is the state plus its part, the whole step is 64 x (256 + 1,024) with 32-sequence chunks and
-    micro-batch 1 fits 80 GB, and the same step without micro-batches needs more than a terabyte."""
+    micro-batch 1 fits 80 GB, and the same step without micro-batches needs more than a terabyte. A KL reference
+    (float32: 4 bytes a weight) is in the state and the peak."""
     with torch.device("meta"):
         cfg = S.Config(**OURO_1_4B)
     P, step = 1_434_652_673, dict(sequences=64, prompt_len=256, new_tokens=1024)
@@ -3936,6 +3975,8 @@ def test_memory_plan_parts_hand_counted():
     assert S.memory_plan(cfg, torch.bfloat16, **step, device="cuda")["peak"] > 1e12
     with_kl = S.memory_plan(cfg, torch.float32, **step, beta=0.1, device="cuda")
     assert with_kl["kl_reference"] == 4 * P and with_kl["masters"] == with_kl["start_copy"] == 0
+    without = S.memory_plan(cfg, torch.float32, **step, device="cuda")  # the reference lives through the step
+    assert with_kl["phase_state"] == without["phase_state"] + 4 * P and with_kl["peak"] == without["peak"] + 4 * P
     assert with_kl["step"] == 12 * largest + 4 * P  # float32 on a GPU: AdamW's foreach temporaries of every weight
 
 
