@@ -1099,20 +1099,20 @@ def _expected_exit_pmf(gates: torch.Tensor, min_loops: int, shift: float = 0.0) 
 
 @pytest.mark.parametrize("min_loops", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["dense", "deferred"])
-def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
+def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode, seed=7):
     """4,000 sequences share one prompt and draw one token each: their exit loops are 4,000 independent
     draws from one p(r) (the contract's, conditioned on r >= min_loops), so Pearson's chi-square against p(r)
     written out here (float64, from the teacher-forced gates) must not reject at 1e-3. That is the
     false-alarm rate per case (6 cases: 0.6% for the whole test under the null); the seeds are fixed, so
-    it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted by
-    0.2 are rejected (p < 1e-6)."""
+    it cannot flake. The test can fail: the same draws against a policy whose gate logits are shifted are
+    rejected (p < 1e-6), the shift chosen so that this holds for any draws (the power check, below)."""
     cfg = S.Config(**(TINY | dict(total_ut_steps=4)))
     model = S.LoopedLM(cfg, seed=min_loops)
     with torch.no_grad():  # moderate gates (lambda ~ 0.2-0.6): every loop's expected count is >= 200
         model.model.early_exit_gate.weight.mul_(0.1)
         model.model.early_exit_gate.bias.fill_(-0.7)
     prompt, n = [3, 1, 4], 4000
-    ro = sample(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=7)
+    ro = sample(model, [prompt] * n, mode=mode, max_new_tokens=1, exit_policy="sampled", min_loops=min_loops, seed=seed)
     gates = S.loop_outputs(model, torch.tensor([prompt])).gate_logits[:, 0, -1].detach()  # (R,)
     assert [len(e) for e in ro.exit_loops] == [1] * n
     counts = Counter(e[0] for e in ro.exit_loops)
@@ -1128,7 +1128,15 @@ def test_sampled_exit_loops_follow_the_exit_distribution(min_loops, mode):
     assert p_right >= 1e-3, (
         f"exit loops {dict(counts)} vs p(r) {_expected_exit_pmf(gates, min_loops)}: p = {p_right:.2e}"
     )
-    assert p_value(_expected_exit_pmf(gates, min_loops, shift=0.2)) < 1e-6
+    # The power check, by construction: against a wrong q the statistic is noncentral chi-square, k <= 3 degrees,
+    # noncentrality lam = n sum (p - q)^2 / q, mean k + lam, variance 2 (k + 2 lam). At lam >= 300 its 1e-6
+    # critical value (< 31) lies > 7.8 standard deviations below the mean: a miss is below 1e-14 whatever the
+    # draws. The shift grows until lam reaches 300 (0.2 gave lam 36 at min_loops 3: 1 stream in 7 missed).
+    p, shift = _expected_exit_pmf(gates, min_loops), 0.2
+    lam = lambda q: n * sum((a - b) ** 2 / b for a, b in zip(p, q) if b > 0)  # noqa: E731
+    while lam(_expected_exit_pmf(gates, min_loops, shift)) < 300:
+        shift *= 1.25
+    assert p_value(_expected_exit_pmf(gates, min_loops, shift)) < 1e-6, shift
     # Each sequence's one exit log-prob is log p(e) of its own draw.
     want = torch.tensor([math.log(_expected_exit_pmf(gates, min_loops)[e[0] - 1]) for e in ro.exit_loops])
     assert maxdiff(ro.exit_logprobs[:, 0].double(), want) < 1e-5
