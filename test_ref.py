@@ -2747,23 +2747,36 @@ def test_warm_start_steps_at_its_rate():
 
 
 @pytest.mark.parametrize("required", [False, True])
-def test_stop_required_scores_a_completion_cut_at_the_limit_zero(monkeypatch, required):
+def test_stop_required_scores_a_completion_cut_at_the_limit_zero(monkeypatch, required, seed=0):
     """--stop-required (on in the demo, off in train): a completion that reaches --max-new-tokens without sampling a
     stop id scores 0 whatever its text (DAPO's overlong punishment: README, "A completion must stop"); one that stopped
-    keeps its score. Every text scores 1 here, and half the bytes stop, so both kinds occur in one step."""
+    keeps its score. Every text scores 1 here. The premise, built: a first step (invariant numerics: a sequence's
+    draws do not depend on the others or on the stop ids) finds a token t that sequence b draws first and some cut
+    sequence never draws; a second step with t a stop id has b stop at its first token and that one cut again."""
     assert S.DemoFlags().stop_required and not S.TrainConfig().stop_required
     flags = S.build_parser().parse_args(["demo", "--no-stop-required"])
     assert flags.stop_required is False  # a preset that is on can be turned off
-    seen, rollout = {}, S.rollout
-    monkeypatch.setattr(S, "rollout", lambda *a, **k: seen.setdefault("ro", rollout(*a, **k)))
+    rollout = S.rollout
     monkeypatch.setattr(S, "reward_fn", lambda *a: 1.0)
-    monkeypatch.setattr(S, "grpo_update", lambda model, opt, ro, rewards, *a: seen.update(rewards=rewards) or {})
-    cfg = S.TrainConfig(config=TINY_JSON, prompts_per_step=8, group_size=2, max_new_tokens=3, device="cpu",
-                        stop_ids=list(range(0, 256, 2)), stop_required=required)  # fmt: skip
-    dist = S._distributed_setup(cfg)
-    model, tok, problems, opt, ref, _ = S._setup(cfg, dist, lambda *_: None)
-    S._train_step(cfg, 0, model, tok, opt, ref, problems, dist, None)
-    cut = [c[-1] not in tok.stop_ids for c in seen["ro"].completions]
+
+    def step(stop_ids: list[int]) -> dict:
+        seen = {}
+        monkeypatch.setattr(S, "rollout", lambda *a, **k: seen.setdefault("ro", rollout(*a, **k)))
+        monkeypatch.setattr(S, "grpo_update", lambda model, opt, ro, rewards, *a: seen.update(rewards=rewards) or {})
+        cfg = S.TrainConfig(config=TINY_JSON, prompts_per_step=8, group_size=2, max_new_tokens=3, device="cpu",
+                            numerics="invariant", stop_ids=stop_ids, stop_required=required, seed=seed)  # fmt: skip
+        dist = S._distributed_setup(cfg)
+        model, tok, problems, opt, ref, _ = S._setup(cfg, dist, lambda *_: None)
+        S._train_step(cfg, 0, model, tok, opt, ref, problems, dist, None)
+        return seen | {"stop_ids": tok.stop_ids}
+
+    first = step([257]).get("ro").completions
+    unstopped = [d for d in first if d[-1] != 257]  # cut at the limit in the first step
+    missing = {c[0]: sum(c[0] not in d for d in unstopped) for c in first}  # how many of them never draw it
+    t = max(missing, key=missing.get)
+    assert missing[t] > 0, f"the model draws one token only: {first}"
+    seen = step([257, t])
+    cut = [c[-1] not in seen["stop_ids"] for c in seen["ro"].completions]
     assert any(cut) and not all(cut), cut
     assert all(len(c) == 3 for c, k in zip(seen["ro"].completions, cut) if k)  # cut: at the limit
     want = [0.0 if required and k else 1.0 for k in cut]
