@@ -237,8 +237,8 @@ class Rows:
         lines = {}  # b -> (its loop, positions, row indices)
         for i, (b, p, r) in enumerate(rows):
             loop, ps, index = lines.setdefault(b, (r, [], []))
-            if loop != r or b not in slot_of or r < 1:
-                raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1 and a slot")
+            if loop != r or r < 1:
+                raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1")
             ps.append(p)
             index.append(i)
         per_line = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lines.items()]  # slot, loop, last
@@ -494,7 +494,7 @@ class LoopCache:
     """S slots, each a sequence in flight, of T positions. k, v: [layer]
     (R * S, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s;
     h (S, T, C): each position's latest loop output; depth (S, T) long: the
-    loops it has done; slot_of: sequence -> its slot (`seat`).
+    loops it has done. `seat` gives a sequence its slot.
     NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
 
     k: list[torch.Tensor]
@@ -502,6 +502,7 @@ class LoopCache:
     h: torch.Tensor
     depth: torch.Tensor
     S: int
+    R: int
     slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
     holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
 
@@ -512,7 +513,7 @@ class LoopCache:
         kv = lambda: torch.zeros(R * S, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
         k, v = [kv() for _ in model.model.layers], [kv() for _ in model.model.layers]
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S)
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, R)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
         """For each (b, s): sequence b takes slot s, once; the slot starts empty
@@ -553,24 +554,22 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     tokens (B, T) long. NOTE: same call, cache and numerics => same bits:
     replay rests on this."""
     cache.seat(call.enter)
-    seqs = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share))
-    deepest = max((r for _, _, r in call.rows), default=1)
-    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or deepest > cache.k[0].shape[0] // cache.S:
+    seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
+    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device)
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
     # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if any(r == 1 for _, _, r in call.rows):  # loop 1 starts from the token's embedding
+    if 1 in loops:  # loop 1 starts from the token's embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
     cache.depth[slot, pos] = r
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]  # (Bc, T)
     missing = (needed & (cache.depth[rows.line_slot] < rows.line_loop[:, None])).sum()
     if late + missing:  # one read back per call
-        loops = sorted({r for _, _, r in call.rows})
         raise ScheduleError(
-            f"call at loops {loops}: a row not done with loop r - 1, or attending to a K/V never computed"
+            f"call at loops {sorted(loops)}: a row not done with loop r - 1, or attending to a K/V never computed"
         )
     h = model.loop(x, rows, cache.k, cache.v, numerics)  # (n, C)
     cache.h[slot, pos] = h
@@ -2599,6 +2598,11 @@ def schedule_from_json(text: str) -> Schedule:
     return Schedule(calls, policy, d["dtype"], d["loops"])
 
 
+def row_loops(schedule: Schedule) -> int:
+    """A schedule's (row, loop) units of work."""
+    return sum(len(call.rows) for call in schedule.calls)
+
+
 def schedule_grid(schedule: Schedule, seq: int | list[int] = 0) -> str:
     """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none);
     a list of sequences side by side (one call's number in two of them at two loops: a mixed call)."""
@@ -2645,12 +2649,11 @@ class LastExitedKV(ExactKV):
         seq, pos, e = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
         slot = torch.tensor([cache.slot_of[b] for b, _, _ in call.readout], device=cache.h.device)  # (n_out,)
         generated = pos > prompt_end[seq]  # (n_out,) not a prompt's last position
-        R = cache.k[0].shape[0] // cache.S
-        for r in range(2, R + 1):  # loop r's K/V of the positions that exited before it
+        for r in range(2, cache.R + 1):  # loop r's K/V of the positions that exited before it
             i = (generated & (e < r)).nonzero()[:, 0]
             for t in cache.k + cache.v:
                 t[(r - 1) * cache.S + slot[i], :, pos[i]] = t[(e[i] - 1) * cache.S + slot[i], :, pos[i]]
-        cache.depth[slot[generated], pos[generated]] = R
+        cache.depth[slot[generated], pos[generated]] = cache.R
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
         """A generated position runs only up to its recorded exit loop (its deeper K/V are copies)."""
@@ -3422,11 +3425,6 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
         Tk = max(p for _, p, _ in c.rows) + 1  # as in Attention.forward: keys up to the call's last position
         total += per_call + (head if c.readout else 0) + len({s for s, _, _ in c.rows}) * Tk * kv_position
     return total
-
-
-def row_loops(schedule: Schedule) -> int:
-    """A schedule's (row, loop) units of work."""
-    return sum(len(call.rows) for call in schedule.calls)
 
 
 def no_wait_calls(ro: Rollout, slots: int = 0) -> int:
