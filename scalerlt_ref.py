@@ -3510,7 +3510,7 @@ def _rollout_speed(s: _BenchSetup, model: LoopedLM, B: int) -> tuple[Runs, Measu
         f"{100 * fraction['dense']:.0f}% (dense) and {100 * fraction['deferred']:.0f}% (deferred) of the bound"
     )
     figures = {f"speedup_b{B}": round(speedup, 3), f"ideal_b{B}": round(ideal, 3), f"same_tokens_b{B}": same}
-    figures |= {f"roofline_{m}_b{B}": round(f, 3) for m, f in fraction.items()}
+    figures |= {f"roofline_{m}_b{B}": float(f"{f:.3g}") for m, f in fraction.items()}  # tiny models: ~1e-4
     figures |= {f"calls_per_token_{m}_b{B}": round(a, 4) for m, (a, _) in per_token.items()}
     rows = [(f"rollout b={B}", speed), (f"calls per token b={B}", calls), (f"roofline b={B}", roofline)]
     return runs, (rows, figures)
