@@ -94,7 +94,7 @@ class Config:
 
 # --- Numerics ---------------------------------------------------------------
 
-NUMERICS = ("fast", "invariant")
+NUMERICS = ("fast", "static", "invariant")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,9 +103,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> torch.Tensor:
-    """`fn` of all rows at once ("fast") or of one row at a time ("invariant").
+    """`fn` of all rows at once ("fast", "static") or of one row at a time ("invariant").
     NOTE: a row alone gets the same bits whatever shares its call (same shapes)."""
-    if numerics == "fast":
+    if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
     return torch.cat([fn(*(x[i : i + 1] for x in args)) for i in range(n)])
@@ -141,9 +141,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x):  # x (n, C)
-        xf = x.to(acc_dtype(x.dtype))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+    def forward(self, x):  # x (n, C): x / rms(x) in acc_dtype (fused where the device has it)
+        xf = F.rms_norm(x.to(acc_dtype(x.dtype)), x.shape[-1:], eps=self.eps)
         return self.weight * xf.type_as(x)  # NOTE: in the input dtype, as in Ouro
 
 
@@ -168,35 +167,53 @@ class ScheduleError(RuntimeError):
     """A call breaks what deferral keeps (Contract §4)."""
 
 
+def bucket(n: int) -> int:
+    """A static size >= n: a power of two up to 128, then a multiple of 128 (static calls take few shapes)."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
+
+
+def on_device(parts: list[list[int]], device) -> list[torch.Tensor]:
+    """Lists of ints -> long tensors on `device`, in one transfer: views of one."""
+    flat = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long).to(device)
+    return list(flat.split([len(part) for part in parts]))
+
+
 @dataclass
 class Grid:
     """Some lines of a call packed for attention (`Rows`): Bc lines of Tq columns."""
 
-    rows: torch.Tensor  # (m,) long: the call's rows in this grid, line by line
+    rows: torch.Tensor  # (m,) long: the model's rows in this grid, line by line
     line: torch.Tensor  # (m,) each row's line
     col: torch.Tensor  # (m,) and its column
     kv: torch.Tensor  # (Bc,) the cache line each line reads
-    masked: torch.Tensor  # (Bc, 1, Tq, Tk) bool: keys a row may not see
-    Tk: int  # keys 0 .. the last position (a replay's cache has another T)
+    pos: torch.Tensor  # (Bc, Tq) each cell's position (padding: 0): it sees keys <= it
+    Tk: int  # keys 0 .. Tk - 1: the last position + 1 (a replay's cache has another T)
 
-    @classmethod
-    def of(cls, lines: list[tuple[int, list[int], list[int]]], device) -> Grid:
-        """lines: (cache line, positions, the rows' indices in the call), one a sequence."""
-        Tq = max(len(ps) for _, ps, _ in lines)
-        rows, line, col, grid = [], [], [], []
-        for i, (_, ps, index) in enumerate(lines):
+    @staticmethod
+    def of(lines: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
+        """lines: (cache line, positions, the rows' indices), one a sequence ->
+        the grid's lists (rows, line, col, kv, pos) and its shape (Bc, Tq, Tk).
+        static: each size its `bucket`; padding lines read the cache's scratch
+        line -1, and padding rows (indices from `pad`) fill free cells."""
+        Bc, Tq = len(lines), max(len(ps) for _, ps, _ in lines)
+        Tk, m = max(ps[-1] for _, ps, _ in lines) + 1, sum(len(ps) for _, ps, _ in lines)
+        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq), a bucket too: cells enough
+        if static:
+            Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
+        rows, line, col, pos, free = [], [], [], [], []
+        for i, (_, ps, index) in enumerate(lines + [(-1, [], [])] * (Bc - len(lines))):
             rows += index
             line += [i] * len(ps)
             col += range(len(ps))
-            grid.append(ps + [0] * (Tq - len(ps)))  # padding: 0
-        Tk = max(ps[-1] for _, ps, _ in lines) + 1
+            pos += ps + [0] * (Tq - len(ps))
+            free += [(i, j) for j in range(len(ps), Tq)]
+        for (i, j), _ in zip(free, range(m_pad - m)):  # static: padding rows
+            rows, line, col = rows + [next(pad)], line + [i], col + [j]
+        kv = [k for k, _, _ in lines] + [-1] * (Bc - len(lines))
         # The mask of a line with rows at pos 3 and 4 (Tk 5; x: may attend):
         #   pos 3:  x x x x .    earlier positions come from the cache,
         #   pos 4:  x x x x x    the row itself from this call
-        grid = torch.tensor(grid, device=device)[:, None, :, None]  # (Bc, 1, Tq, 1)
-        masked = torch.arange(Tk, device=device) > grid  # (Bc, 1, Tq, Tk)
-        rows, line, col = torch.tensor([rows, line, col], device=device)  # (m,) each
-        return cls(rows, line, col, torch.tensor([k for k, _, _ in lines], device=device), masked, Tk)
+        return [rows, line, col, kv, pos], (Bc, Tq, Tk)
 
 
 @dataclass
@@ -213,25 +230,33 @@ class Rows:
 
     A row reads and writes loop r's K/V of its sequence's slot s: cache line
     (r - 1) * S + s of each layer (`LoopCache`), so one gather serves a call
-    of mixed loops. Built on the host: attention reads nothing back."""
+    of mixed loops. `static` (numerics "static", for CUDA graphs): the model
+    runs `pad` more rows (zeros at position 0, writing the scratch line) and
+    every size is a `bucket`; no padding row reaches a real one. Built on the
+    host, sent in one transfer: attention reads nothing back."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
     S: int  # slots
+    static: bool
     seq: torch.Tensor  # (n,) long, and likewise:
     pos: torch.Tensor
     loop: torch.Tensor
     slot: torch.Tensor
-    kv: torch.Tensor  # (n,) the cache line the row writes
-    line_slot: torch.Tensor  # (Bc,) each sequence's slot, loop, last position
+    line_slot: torch.Tensor  # (lines,) each sequence's slot, loop, last position
     line_loop: torch.Tensor
     line_last: torch.Tensor
+    kv: torch.Tensor  # (n + pad,) the model's rows: the cache line each writes
+    kv_pos: torch.Tensor  # (n + pad,) and the position (RoPE's too)
+    unorder: torch.Tensor  # (n + pad,) the grids' rows back in the model's order
+    in_order: bool  # one grid, rows in order: `unorder` not needed
     grids: list[Grid]
-    unorder: torch.Tensor  # (n,) the grids' rows back in the call's order
+    pad: int
+    flat: torch.Tensor  # the model's inputs of the one transfer: kv, kv_pos, unorder, grids are views of it
     alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device) -> Rows:
+    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
         lines = {}  # b -> (its loop, positions, row indices)
@@ -242,21 +267,32 @@ class Rows:
             ps.append(p)
             index.append(i)
         per_line = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lines.items()]  # slot, loop, last
-        line_slot, line_loop, line_last = torch.tensor(per_line, device=device).T
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lines.items()}
-        grids = []
+        pad, parts, shapes = itertools.count(len(rows)), [], []  # pad: the padding rows' indices
         for alone in (True, False):  # lines of one row, then lines of several
             some = [(kv[b], ps, ix) for b, (_, ps, ix) in lines.items() if (len(ps) == 1) == alone]
-            grids += [Grid.of(some, device)] if some else []
-        seq, pos, loop = torch.tensor(rows, device=device).T  # (n,) each
-        slot = torch.tensor([slot_of[b] for b, _, _ in rows], device=device)  # (n,)
-        unorder = torch.cat([g.rows for g in grids]).argsort()
-        per_row = (seq, pos, loop, slot, (loop - 1) * S + slot)
-        return cls(rows, slot_of, S, *per_row, line_slot, line_loop, line_last, grids, unorder)
+            if some:
+                grid, shape = Grid.of(some, static, pad)
+                parts, shapes = parts + grid, shapes + [shape]
+        order, n = list(itertools.chain(*parts[::5])), len(rows)  # the grids' rows
+        n_pad = len(order)  # n + pad
+        # The model's inputs first (their layout is the call's shape: `CallGraphs` copies them), then the rest.
+        model_in = [[kv[b] for b, _, _ in rows] + [-1] * (n_pad - n), [p for _, p, _ in rows] + [0] * (n_pad - n)]
+        model_in += [sorted(range(n_pad), key=order.__getitem__)] + parts
+        per_row = [[b for b, _, _ in rows], model_in[1][:n], [r for _, _, r in rows], [slot_of[b] for b, _, _ in rows]]
+        tensors = on_device(model_in + per_row + list(zip(*per_line)), device)
+        grids = []
+        for i, (Bc, Tq, Tk) in enumerate(shapes):
+            g_rows, line, col, g_kv, pos = tensors[3 + 5 * i : 8 + 5 * i]
+            grids.append(Grid(g_rows, line, col, g_kv, pos.view(Bc, Tq), Tk))
+        in_order = len(grids) == 1 and order == list(range(n_pad))
+        flat = tensors[0]._base[: sum(map(len, model_in))]
+        rest = tensors[len(model_in) :]  # seq, pos, loop, slot; line_slot, line_loop, line_last
+        return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
 
     def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`), packed once
         if (i.start, i.stop) not in self.alone:
-            self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device)
+            self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
         return self.alone[i.start, i.stop]
 
 
@@ -272,34 +308,38 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S, KVH, T, D).
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S + 1, KVH, T, D).
         `redo`: `attend` keeps only its inputs and runs again in backward."""
-        n, H, KVH, D = len(rows.rows), self.H, self.KVH, self.D
+        n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
         # K (after RoPE) and V written before attending: rows see each other
-        k_cache[rows.kv, :, rows.pos] = k
-        v_cache[rows.kv, :, rows.pos] = self.v_proj(x).view(n, KVH, D)
+        k_cache[rows.kv, :, rows.kv_pos] = k
+        v_cache[rows.kv, :, rows.kv_pos] = self.v_proj(x).view(n, KVH, D)
         out = []
         for g in rows.grids:
             K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each line's loop
             V = v_cache[g.kv, :, : g.Tk]
-            qg = q if len(rows.grids) == 1 else q[g.rows]  # (m, H, D)
+            qg = q if rows.in_order else q[g.rows]  # (m, H, D)
             out.append(recomputed(self.attend, redo, qg, K, V, g))
-        return out[0] if len(out) == 1 else torch.cat(out)[rows.unorder]  # (n, C)
+        return out[0] if rows.in_order else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
         (m, H, D), dtype = q.shape, q.dtype
-        Bc, _, Tq, Tk = g.masked.shape
+        (Bc, Tq), Tk = g.pos.shape, g.Tk
+        masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        qp = q.new_zeros(Bc, Tq, H, D)  # the grid
-        qp[g.line, g.col] = q  # (Bc, Tq, H, D)
+        if Tq == 1:  # lines of one row, in order: the rows are the grid
+            qp = q.view(Bc, 1, H, D)
+        else:
+            qp = q.new_zeros(Bc, Tq, H, D)
+            qp[g.line, g.col] = q  # (Bc, Tq, H, D)
         qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
-        att = att.masked_fill(g.masked[:, :, None], float("-inf"))
+        att = att.masked_fill(masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
         y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)  # (Bc, Tq, KVH, rep, D)
-        y = y[g.line, g.col]  # (m, KVH, rep, D): padding dropped
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.line, g.col]  # (m, KVH, rep, D): padding dropped
         return self.o_proj(y.reshape(m, H * D))
 
 
@@ -359,6 +399,7 @@ class LoopedLM(nn.Module):
                 param.copy_(init)
         self._rope: dict = {}
         self.grad_checkpoint = False  # recompute teacher forcing in backward
+        self.call_graphs = None  # static calls' CUDA graphs (`CallGraphs`, below the banner)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -378,8 +419,8 @@ class LoopedLM(nn.Module):
         """x (n, C), rows' input -> h (n, C), through the L layers and the
         norm, each row at its own loop; k, v: each layer's K/V (`LoopCache`)."""
         cos, sin = self.rope()
-        cos, sin = cos[rows.pos, None], sin[rows.pos, None]  # (n, 1, D) each
-        redo = self.grad_checkpoint and numerics == "fast" and torch.is_grad_enabled()
+        cos, sin = cos[rows.kv_pos, None], sin[rows.kv_pos, None]  # (n, 1, D) each
+        redo = self.grad_checkpoint and numerics != "invariant" and torch.is_grad_enabled()
         for layer, k_cache, v_cache in zip(self.model.layers, k, v):
             run = lambda *a: layer(*a, k_cache, v_cache, redo)  # noqa: E731
             x = by_rows(numerics, run, x, rows, cos, sin)
@@ -492,9 +533,9 @@ def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int 
 @dataclass
 class LoopCache:
     """S slots, each a sequence in flight, of T positions. k, v: [layer]
-    (R * S, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s;
-    h (S, T, C): each position's latest loop output; depth (S, T) long: the
-    loops it has done. `seat` gives a sequence its slot.
+    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
+    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
+    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
     NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
 
     k: list[torch.Tensor]
@@ -507,11 +548,12 @@ class LoopCache:
     holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
 
     @classmethod
-    def empty(cls, model: LoopedLM, S: int, T: int) -> "LoopCache":
-        cfg, dt, dev = model.config, model.dtype, model.device
+    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
+        cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
         R, KVH, D = cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
-        kv = lambda: torch.zeros(R * S, KVH, T, D, dtype=dt, device=dev)  # noqa: E731
-        k, v = [kv() for _ in model.model.layers], [kv() for _ in model.model.layers]
+        new = lambda: [torch.zeros(R * S + 1, KVH, T, D, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
+        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache's address
+        k, v = graphs.kv_buffers(S, T, new) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, R)
 
@@ -528,7 +570,7 @@ class LoopCache:
         """For each (dst, src): sequence dst's whole cache becomes src's."""
         dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
-            lines = t.view(-1, self.S, *t.shape[1:])  # (R, S, KVH, T, D)
+            lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
             lines[:, dst] = lines[:, src]
         self.h[dst] = self.h[src]
         self.depth[dst] = self.depth[src]
@@ -557,7 +599,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
     seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
     if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
-    rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device)
+    rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
     # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
     late = (cache.depth[slot, pos] != r - 1).sum()
@@ -571,7 +613,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopC
         raise ScheduleError(
             f"call at loops {sorted(loops)}: a row not done with loop r - 1, or attending to a K/V never computed"
         )
-    h = model.loop(x, rows, cache.k, cache.v, numerics)  # (n, C)
+    loop = model.call_graphs or model.loop  # the same function, or its graph (static calls, CUDA)
+    h = loop(F.pad(x, (0, 0, 0, rows.pad)), rows, cache.k, cache.v, numerics)[: len(call.rows)]  # (n, C)
     cache.h[slot, pos] = h
     if call.share:
         cache.copy_sequences(call.share)
@@ -606,7 +649,7 @@ class Policy:
     the work and bits, never the distribution (Contract §4); the rest define it."""
 
     mode: str = "deferred"  # MODES: "dense" runs all R loops; "deferred" waits
-    numerics: str = "fast"  # NUMERICS; "invariant": every row alone
+    numerics: str = "fast"  # NUMERICS; "static": padded (CUDA graphs); "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
     exit_threshold: float | None = None  # tau; None: the config's
     exit_rule: str = "survival"  # EXIT_RULES
@@ -795,7 +838,7 @@ def rollout(
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
     # The rollout's state: per sequence on the device (t: a completion token) ...
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
-    cache = LoopCache.empty(model, min(max_num_seqs or B, B), T)
+    cache = LoopCache.empty(model, min(max_num_seqs or B, B), T, numerics)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
     completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
     exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: no token
@@ -826,7 +869,7 @@ def rollout(
         loop = {seat[s]: done[seat[s]] + 1 for s in live}
         f, r = torch.tensor([[focus[seat[s]], loop[seat[s]]] for s in live], device=dev).T  # (k,) each
         fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,) seated now
-        depth = torch.where(fresh[:, None], 0, cache.depth[live])  # (k, T)
+        depth = torch.where(fresh[:, None], 0, cache.depth[live, :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (positions <= f[:, None])  # (k, T)
         rows = [(seat[live[i]], p, loop[seat[live[i]]]) for i, p in todo.nonzero().tolist()]
         share = [(b, a) for b, a in held.items() if loop[a] == R]  # the prompt done: copied
@@ -909,7 +952,7 @@ def execute_schedule(
     slots = 0  # the rollout's S: 1 + the largest slot seated, at most B
     for call in calls:
         slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
-    cache = LoopCache.empty(model, slots, tokens.shape[1])
+    cache = LoopCache.empty(model, slots, tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
     exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
@@ -970,7 +1013,8 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
     """One differentiable forward, every loop of every position, read out at the recorded exits: (B, N)
     log-probs on the model's device; with `with_exits`, (tokens', exits') log-probs."""
-    tok, ext = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), numerics)
+    calls, numerics = teacher_forced_schedule(ro, model.config.total_ut_steps), numerics.replace("static", "fast")
+    tok, ext = execute_schedule(model, ro, calls, numerics)  # static shapes: for graphs, and this runs eager
     return (tok, ext) if with_exits else tok
 
 
@@ -2123,13 +2167,15 @@ STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradie
 def memory_plan(
     cfg: Config, dtype: torch.dtype, *, sequences: int, prompt_len: int, new_tokens: int,
     max_num_seqs: int = 0, micro_batch: int = 0, grad_checkpoint: bool = False,
-    beta: float = 0.0, rounding: str = "stochastic", device: str = "cpu",
+    beta: float = 0.0, rounding: str = "stochastic", device: str = "cpu", numerics: str = "fast",
+    cuda_graphs: bool = True,
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
     runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak". Phases: the
     rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
     teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
-    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight)."""
+    gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
+    Static numerics: the cache's positions are a `bucket`; with CUDA graphs it lives through the step (`CallGraphs`)."""
     sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
@@ -2147,12 +2193,15 @@ def memory_plan(
         "adamw": 8 * P,  # its two moments, float32
         "gradients": P * e,
         "kl_reference": P * e * (beta > 0),
-        "rollout_cache": slots * T * kv,
+        "rollout_cache": slots * (bucket(T) if numerics == "static" else T) * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
         "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
     }
-    state = sum(plan[k] for k in STATE_PARTS)
-    phases = {"state": state} | {k: state + plan[k] for k in ("rollout_cache", "learner", "step")}
+    kept = numerics == "static" and cuda_graphs and cuda  # the cache lives in the state
+    state = sum(plan[k] for k in STATE_PARTS) + kept * plan["rollout_cache"]
+    phases = {"state": state} | {
+        k: state + plan[k] * (k != "rollout_cache" or not kept) for k in ("rollout_cache", "learner", "step")
+    }
     return plan | {"phase_" + k: v for k, v in phases.items()} | {"peak": max(phases.values())}
 
 
@@ -2171,6 +2220,9 @@ def plan_lines(plan: dict[str, int]) -> list[str]:
 
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
+CUDA_GRAPHS_HELP = (
+    "on CUDA, static calls (--numerics static) as CUDA graphs (--no-cuda-graphs: eager, vLLM's enforce_eager)"
+)
 MAX_NUM_SEQS_HELP = "sequences in flight in a rollout, each in a slot of the KV cache (0: all; vLLM's max_num_seqs)"
 TOP_P_HELP = "then among the most likely whose probability reaches this, as vLLM (1: all; applied after top-k)"
 LR_SCHEDULES = ("constant", "cosine")
@@ -2211,6 +2263,7 @@ class TrainConfig:
     export_rounding: str = _flag("stochastic", "bfloat16: how the copy is exported from the masters after every step",
         choices=EXPORT_ROUNDINGS)
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    cuda_graphs: bool = _flag(True, CUDA_GRAPHS_HELP)
     seed: int = _flag(0, "seed of init, data order and sampling", within=(0, MAX_SEED))
     lr: float = _flag(1e-3, "AdamW learning rate (the peak, with a schedule)", within=(0.0, 1.0, "(]"))
     lr_schedule: str = _flag("constant", "after the warm-up: constant, or a cosine to 0", choices=LR_SCHEDULES)
@@ -2481,7 +2534,7 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
         say(f"resumed from {saved} at step {state['step']}")
     elif cfg.sft_steps and not cfg.model:
         sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, **(sft or {}))
-    model, grpo = model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.grpo()  # a config's model is cast now
+    model, grpo = use_cuda_graphs(model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.cuda_graphs), cfg.grpo()
     adamw = {"lr": grpo.lr, "weight_decay": grpo.weight_decay, "eps": cfg.adam_eps}
     if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, cfg.export_rounding, sequence_seed(cfg.seed, "export"), **adamw)
@@ -2500,7 +2553,10 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
     """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
     sequences = cfg.prompts_per_step // world * cfg.group_size
     step = dict(sequences=sequences, prompt_len=prompt_len, new_tokens=cfg.max_new_tokens)
-    settings = {k: getattr(cfg, k) for k in ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta")}
+    settings = {
+        k: getattr(cfg, k)
+        for k in ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta", "numerics", "cuda_graphs")
+    }
     plan = memory_plan(model.config, model.dtype, **step, **settings, rounding=cfg.export_rounding, device=model.device)
     text = "; ".join(plan_lines(plan))
     say(f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
@@ -3249,8 +3305,10 @@ def _plot_verify(plt, records: list[dict], results: list[VerifyResult], summary:
 def _load_model_arg(args, dtype: torch.dtype) -> LoopedLM:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if getattr(args, "model", None):
-        return LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
-    return LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
+        model = LoopedLM.from_pretrained(args.model, dtype=dtype, device=device)
+    else:
+        model = LoopedLM(load_config(args.config), seed=args.init_seed).to(dtype=dtype, device=device)
+    return use_cuda_graphs(model, args.cuda_graphs)
 
 
 def cmd_verify(args) -> int:
@@ -3384,6 +3442,79 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
     return ids[len(prompt) :]
 
 
+# --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
+
+
+class CallGraphs:
+    """`LoopedLM.loop` of static calls (`Rows.static`), each call shape a CUDA graph: captured at its first call
+    (all L layers, rows of any loops), replayed after with the call's rows copied into its buffers in one copy (the
+    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits
+    (the suite checks it on a GPU). A graph holds the addresses of its cache's K/V, so the cache of S slots is kept
+    here and reused by every static rollout and replay (`LoopCache.empty`); stale K/V in it are never attended
+    (Contract §4's mask), only read under the mask by padding. Calls with gradients, other numerics or more than
+    `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same static
+    buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
+
+    def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048):
+        self.model, self.capture, self.max_rows = model, capture, max_rows
+        self.graphs: dict[tuple, tuple] = {}  # call shape -> (graph, x, flat, rows, out)
+        self.caches: dict[int, tuple[list, list]] = {}  # S -> (k, v), grown to the longest T asked
+        self.pool, self.captures, self.capture_seconds = None, 0, 0.0
+
+    def kv_buffers(self, S: int, T: int, new: Callable[[], list[torch.Tensor]]) -> tuple[list, list]:
+        """The kept K/V of S slots, T positions at least (a longer one replaces it, and its graphs go)."""
+        if S not in self.caches or self.caches[S][0][0].shape[2] < T:
+            self.caches.pop(S, None)
+            self.graphs = {key: g for key, g in self.graphs.items() if key[0] != S}
+            self.caches[S] = (new(), new())
+        return self.caches[S]
+
+    def __call__(self, x: torch.Tensor, rows: Rows, k: list, v: list, numerics: str) -> torch.Tensor:
+        eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
+        if eager or all(kept is not k for kept, _ in self.caches.values()):  # not a kept cache: eager
+            return self.model.loop(x, rows, k, v, numerics)
+        shapes = tuple((g.rows.shape[0], *g.pos.shape, g.Tk) for g in rows.grids)
+        key = (rows.S, x.shape[0], rows.in_order, shapes)  # the layout of x and rows.flat
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(x, rows, k, v, numerics)
+        graph, xs, flat, srows, out = self.graphs[key]
+        xs.copy_(x)
+        flat.copy_(rows.flat)
+        if graph is None:
+            return self.model.loop(xs, srows, k, v, numerics)
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, x, rows: Rows, k: list, v: list, numerics: str) -> tuple:
+        """Static copies of the call's inputs, Rows as views of them; on CUDA the call captured as a graph."""
+        xs, flat = x.clone(), rows.flat.clone()
+        view = lambda t: flat.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731  t: a view of rows.flat
+        grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "line", "col", "kv", "pos")})
+                 for g in rows.grids]  # fmt: skip
+        tensors = {name: view(getattr(rows, name)) for name in ("kv", "kv_pos", "unorder")}
+        srows = dataclasses.replace(rows, **tensors, grids=grids, flat=flat, alone={})
+        if not self.capture:
+            return None, xs, flat, srows, None
+        start, stream = time.perf_counter(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: this very call, eagerly (the graph's replay redoes it)
+            self.model.loop(xs, srows, k, v, numerics)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for all: they never run at once
+            out = self.model.loop(xs, srows, k, v, numerics)
+        torch.cuda.synchronize()
+        self.pool, self.captures = graph.pool(), self.captures + 1
+        self.capture_seconds += time.perf_counter() - start
+        return graph, xs, flat, srows, out
+
+
+def use_cuda_graphs(model: LoopedLM, enabled: bool = True) -> LoopedLM:
+    """On CUDA (and `enabled`: not --no-cuda-graphs) the model's static calls run as `CallGraphs`; elsewhere eager."""
+    model.call_graphs = CallGraphs(model) if enabled and model.device.type == "cuda" else None
+    return model
+
+
 def _reset_peak_memory(device: torch.device) -> None:
     """Start a new peak of resident memory (Linux: 5 to /proc/self/clear_refs resets VmHWM) and of CUDA memory."""
     try:
@@ -3474,7 +3605,7 @@ def _bench_rollout(
     s: _BenchSetup, model: LoopedLM, prompts: list[list[int]], mode: str, new_tokens: int = 0, greedy: bool = False
 ) -> Rollout:
     """Every rollout the bench runs: --new-tokens (or new_tokens) at the exit threshold, sampled or greedy."""
-    policy = Policy(mode, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
+    policy = Policy(mode, s.args.numerics, temperature=0.0 if greedy else 1.0, exit_threshold=s.threshold)
     run = dict(max_new_tokens=new_tokens or s.args.new_tokens, seed=s.args.seed, max_num_seqs=s.args.max_num_seqs)
     return rollout(model, prompts, policy, **run)
 
@@ -3628,6 +3759,7 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> Iterator[Measured]:
     else:
         t_load, model = _timed(s.device, lambda: LoopedLM(s.cfg).to(dtype=dtype, device=s.device))
         model.load_state_dict(s.base.state_dict())
+    use_cuda_graphs(model, s.args.cuda_graphs)
     peak, weights = _peak_resident_bytes(), sum(p.numel() for p in model.parameters()) * dtype.itemsize
     peak_device = torch.cuda.max_memory_allocated(s.device) if s.device.type == "cuda" else None
     load = {"seconds": t_load, "peak": peak, "peak_device": peak_device, "weights": weights}
@@ -3640,6 +3772,10 @@ def _bench_dtype(s: _BenchSetup, dtype_name: str) -> Iterator[Measured]:
     yield _learner(s, model, ro, rollout_times)
     yield _naive_vs_hybrid(model, ro)
     yield _cache_vs_recompute(s, model)
+    if model.call_graphs is not None:  # every capture so far: the time it took, beside the rollouts' time
+        g = model.call_graphs
+        text = f"{g.captures} call shapes captured in {g.capture_seconds:.2f}s (in the first rollouts' times)"
+        yield [("CUDA graphs", text)], {"graph_captures": g.captures, "capture_seconds": round(g.capture_seconds, 3)}
     yield _memory(s, dtype, load)
 
 
@@ -3714,6 +3850,7 @@ class ModelFlags:
     init_seed: int = _flag(0, "seed of the random model's weights (with --config)", within=(0, MAX_SEED))
     dtype: str = _flag("float32", "model dtype", choices=tuple(DTYPES))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    cuda_graphs: bool = _flag(True, CUDA_GRAPHS_HELP)
     kv: str = _flag("exact", "KV semantics (last_exited: KV-copy engines)", choices=tuple(KV_POLICIES))
     exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     min_loops: int = _flag(1, "no position exits before this loop", within=(1, MAX_COUNT))
@@ -3780,6 +3917,8 @@ class BenchFlags:
         path="folder", exclusive="optional")
     dtype: str = _flag("both", "model dtype(s)", choices=("both", "bfloat16", "float32"))
     device: str = _flag("cpu", "cpu, cuda, cuda:N or auto", pattern=DEVICE)
+    numerics: str = _flag("fast", "the rollouts' row numerics (static on CUDA: CUDA graphs)", choices=NUMERICS)
+    cuda_graphs: bool = _flag(True, CUDA_GRAPHS_HELP)
     batch: int | None = _flag(None, "rollout batch size (default: 1 and 8; with --model, 1)", within=(1, MAX_BATCH))
     new_tokens: int = _flag(32, "new tokens per rollout", within=(1, MAX_COUNT))
     cache_tokens: int = _flag(128, "new tokens for the cache comparison", within=(1, MAX_COUNT))

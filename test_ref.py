@@ -70,6 +70,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
     slow = pytest.mark.slow
+    on_device = pytest.mark.device
+
+# The exactness properties marked `on_device` run on a GPU with `SCALERLT_TEST_DEVICE=cuda python -m pytest -q -m
+# device test_ref.py` (their models on that device; `.ci/gpu_check.py` runs it). Unset: the CPU, as every test.
+DEVICE = os.environ.get("SCALERLT_TEST_DEVICE", "cpu")
 
 
 # A slow test spends its time waiting for child processes (the README's commands, torchrun, a run to kill).
@@ -350,7 +355,7 @@ class Case:
     max_num_seqs: int = 0  # slots: sequences in flight (0: all)
 
     def model(self, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
-        return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype)
+        return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype=dtype, device=DEVICE)
 
     def rollout(self, model: S.LoopedLM, **kw) -> S.Rollout:
         args = dict(
@@ -1163,6 +1168,7 @@ def test_threshold_policy_is_unchanged_and_records_no_exit_logprobs():
 # ---------------------------------------------------------------------------------------------------
 
 
+@on_device
 @examples(22)
 @given(case=cases(filters=FILTERS), mode=modes, dtype=dtypes)
 @pytest.mark.parametrize(
@@ -1196,6 +1202,7 @@ def test_replay_is_bitwise(case, mode, dtype, exit_policy, rule):
     assert torch.equal(learner.detach().cpu(), S.joint_logprobs(ro, ro.logprobs, ro.exit_logprobs))
 
 
+@on_device
 @examples(25)
 @given(case=cases(), mode=modes, numerics=st.sampled_from(S.NUMERICS), dtype=dtypes)
 def test_schedule_json_round_trip_replays_bitwise(case, mode, numerics, dtype):
@@ -1310,6 +1317,7 @@ def test_replay_of_eos_shortened_rollout_is_bitwise(case, mode, dtype):
 # ---------------------------------------------------------------------------------------------------
 
 
+@on_device
 @examples(23)
 @given(case=cases(filters=FILTERS), dtype=dtypes)
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
@@ -1327,7 +1335,7 @@ def test_invariant_dense_deferred_teacher_forced_bitwise(case, dtype, exit_polic
     assert torch.equal(dense.logprobs, deferred.logprobs), f"dense vs deferred: max |diff| = {d:.3e}"
     d = maxdiff(dense.exit_logprobs, deferred.exit_logprobs)
     assert torch.equal(dense.exit_logprobs, deferred.exit_logprobs), f"exits, dense vs deferred: max |diff| = {d:.3e}"
-    tok, ext = (x.detach() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
+    tok, ext = (x.detach().cpu() for x in S.teacher_forced_logprobs(model, dense, "invariant", with_exits=True))
     assert not bool(tok[~dense.mask].any()) and not bool(dense.logprobs[~dense.mask].any())  # 0 off-mask
     assert torch.equal(tok, dense.logprobs), f"teacher-forced: max |diff| = {maxdiff(tok, dense.logprobs):.3e}"
     assert torch.equal(ext, dense.exit_logprobs), f"exits: max |diff| = {maxdiff(ext, dense.exit_logprobs):.3e}"
@@ -1441,6 +1449,7 @@ def test_sequence_does_not_depend_on_its_batch(case, mode, data, exit_policy):
     assert torch.equal(alone.exit_logprobs[0], batch.exit_logprobs[i])
 
 
+@on_device
 @examples(20)
 @given(case=cases(new_tokens=(2, 6), batch=(2, 4), filters=FILTERS), mode=modes, dtype=dtypes, data=st.data())
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
@@ -1474,15 +1483,17 @@ def test_a_sequence_in_slots_is_its_rollout_alone_under_invariant_numerics(case,
             assert torch.equal(a, b), f"{k} slots: max |diff| = {maxdiff(a, b):.3e}"
 
 
+@on_device
 @examples(15)
 @given(case=cases(new_tokens=(2, 8), batch=(2, 6)), mode=modes, dtype=dtypes, data=st.data())
 def test_a_slotted_rollout_replays_bitwise_and_keeps_its_slots(case, mode, dtype, data):
     """Under fast numerics, the replay of a rollout in k slots is its log-probs bit for bit (float32 and
     bfloat16), through JSON too. Each call carries a sequence at one loop; a sequence takes a slot (< k) only
-    after the slot's last sequence is done with its last call."""
+    after the slot's last sequence is done with its last call. Static numerics (padded calls) alike."""
     k = data.draw(between(1, len(case.prompts)), label="max_num_seqs")
+    numerics = data.draw(st.sampled_from(["fast", "static"]), label="numerics")
     model, stop = case.model(dtype), tuple(range(0, case.cfg.vocab_size, 3))  # a third of the ids stop
-    ro = dataclasses.replace(case, max_num_seqs=k).rollout(model, mode=mode, stop_ids=stop)
+    ro = dataclasses.replace(case, max_num_seqs=k).rollout(model, mode=mode, stop_ids=stop, numerics=numerics)
     for schedule in (ro.schedule, S.schedule_from_json(S.schedule_to_json(ro.schedule))):
         tok, ext = S.replay_logprobs(model, dataclasses.replace(ro, schedule=schedule), with_exits=True)
         assert torch.equal(tok, ro.logprobs), f"{k} slots: replay off by {maxdiff(tok, ro.logprobs):.3e}"
@@ -1499,6 +1510,85 @@ def test_a_slotted_rollout_replays_bitwise_and_keeps_its_slots(case, mode, dtype
         for b, _, r in c.rows:
             assert loops.setdefault(b, r) == r, f"call {i}: sequence {b} at two loops"
     assert len(seated) == min(k, len(case.prompts)) and sorted(seated.values())[-1] < len(case.prompts)
+
+
+class _Poisoned:
+    """Stands in for `CallGraphs`: before each static call, the cache's scratch line and the padding rows' inputs
+    become NaN; it keeps each call's Rows."""
+
+    def __init__(self, model: S.LoopedLM):
+        self.model, self.seen = model, []
+
+    def kv_buffers(self, S_, T, new):
+        return new(), new()
+
+    def __call__(self, x, rows, k, v, numerics):
+        self.seen.append(rows)
+        for t in k + v:
+            t[-1] = math.nan
+        x = x.clone()
+        x[len(rows.rows) :] = math.nan
+        return S.LoopedLM.loop(self.model, x, rows, k, v, numerics)
+
+
+def _bucket(n: int) -> bool:
+    return n > 0 and (n & (n - 1) == 0 if n <= 128 else n % 128 == 0)
+
+
+@on_device
+@examples(10)
+@given(case=cases(new_tokens=(2, 8), batch=(2, 6)), mode=modes, dtype=dtypes, data=st.data())
+def test_a_static_call_pads_to_buckets_and_no_padding_reaches_a_real_row(case, mode, dtype, data):
+    """Static numerics (the shapes CUDA graphs need): in every call, each grid's rows, lines, columns and keys are
+    buckets (powers of two to 128, then multiples of 128), and the model's rows are the grids' rows. No padding
+    reaches a real row: with the cache's scratch line and every padding row's input NaN before each call, the
+    rollout is the same bit for bit, and finite. Padding rows writing into a real line fail it."""
+    k = data.draw(between(0, len(case.prompts)), label="max_num_seqs")
+    model = case.model(dtype)
+    three = dataclasses.replace(case, prompts=[[1], [2], [3]], max_num_seqs=0)  # call 0: 3 rows, 1 padding row
+    for case in (dataclasses.replace(case, max_num_seqs=k), three):
+        clean = case.rollout(model, mode=mode, numerics="static")
+        model.call_graphs = poison = _Poisoned(model)
+        try:
+            ro = case.rollout(model, mode=mode, numerics="static")
+        finally:
+            model.call_graphs = None
+        assert (ro.completions, ro.exit_loops) == (clean.completions, clean.exit_loops)
+        d = maxdiff(ro.logprobs, clean.logprobs)
+        assert torch.equal(ro.logprobs, clean.logprobs), f"poisoned padding: max |diff| {d}"
+        assert torch.equal(ro.exit_logprobs, clean.exit_logprobs) and bool(ro.logprobs.isfinite().all())
+        assert len(poison.seen) == len(ro.schedule.calls)
+        for rows in poison.seen:
+            sizes = [(g.rows.shape[0], *g.pos.shape, g.Tk) for g in rows.grids]
+            assert all(map(_bucket, itertools.chain(*sizes))), sizes
+            assert len(rows.rows) + rows.pad == sum(m for m, *_ in sizes) == rows.kv.shape[0], (len(rows.rows), sizes)
+    assert poison.seen[0].pad == 1
+    assert [S.bucket(n) for n in (1, 3, 5, 100, 128, 129, 300)] == [1, 4, 8, 128, 128, 256, 384]
+
+
+@on_device
+@examples(8)
+@given(case=cases(new_tokens=(2, 8), batch=(2, 6)), mode=modes, dtype=dtypes, data=st.data())
+def test_call_graphs_are_the_eager_static_calls_bitwise(case, mode, dtype, data):
+    """`CallGraphs` (on CUDA captured graphs, on the CPU the same static buffers run eagerly) give a static rollout,
+    its replay and a second rollout in the kept cache the eager static calls' bits: tokens, exits, log-probs. The
+    second rollout repeats the first's call shapes, so every one of its calls reuses a graph and its buffers
+    (rewritten, not stale); each shape is captured once. A graph fed its first call's rows again fails it."""
+    k = data.draw(between(0, len(case.prompts)), label="max_num_seqs")
+    model, case = case.model(dtype), dataclasses.replace(case, max_num_seqs=k)
+    eager = case.rollout(model, mode=mode, numerics="static")
+    model.call_graphs = graphs = S.CallGraphs(model, capture=model.device.type == "cuda")
+    try:
+        runs = [case.rollout(model, mode=mode, numerics="static") for _ in range(2)]
+        replay = S.replay_logprobs(model, runs[0])
+    finally:
+        model.call_graphs = None
+    for ro in runs:
+        assert (ro.completions, ro.exit_loops) == (eager.completions, eager.exit_loops)
+        for a, b in ((ro.logprobs, eager.logprobs), (ro.exit_logprobs, eager.exit_logprobs), (replay, eager.logprobs)):
+            assert torch.equal(a, b), f"graphs vs eager: max |diff| {maxdiff(a, b):.3e}"
+    assert 0 < len(graphs.graphs) <= len(runs[0].schedule.calls)
+    assert graphs.captures == (len(graphs.graphs) if graphs.capture else 0)
 
 
 @examples(25)
@@ -2256,21 +2346,23 @@ def test_kl_to_the_current_weights_is_zero_and_after_a_step_is_k3(options):
 # --- micro-batches, activation checkpointing and slotted rollouts: the same update, exactly -------
 
 
-def _slotted_grpo_rollout(case: Case, model: S.LoopedLM, k: int, mode: str, exit_policy: str) -> S.Rollout:
+def _slotted_grpo_rollout(case: Case, model: S.LoopedLM, k: int, mode: str, exit_policy: str, numerics="fast"):
     """`_grpo_rollout` in k slots: EOS is sequence 0's first token (the aggregations' normalisers differ), and
     sequences 0 and 1 differ."""
     first = case.rollout(model, mode=mode, exit_policy=exit_policy)
     kw = dict(mode=mode, exit_policy=exit_policy, stop_ids=(first.completions[0][0],), max_num_seqs=k)
+    kw |= dict(numerics=numerics)
     ro = case.rollout(model, **kw)
     assume((ro.completions[0], ro.exit_loops[0]) != (ro.completions[1], ro.exit_loops[1]))
     return ro
 
 
+@on_device
 @examples(12)
 @given(gc=grpo_cases(), mode=modes, dtype=dtypes, beta=st.sampled_from([0.0, 0.1]), data=st.data())
 @pytest.mark.parametrize("exit_policy", S.EXIT_POLICIES)
 def test_micro_batched_update_on_a_slotted_rollout_is_exact(gc, mode, dtype, beta, exit_policy, data):
-    """grpo_update on a rollout in slots (fast numerics, float32 and bfloat16, 1..B slots),
+    """grpo_update on a rollout in slots (fast or static numerics, float32 and bfloat16, 1..B slots),
     with micro-batches of 1..B+1 sequences, with and without activation checkpointing, mu = 2 on unchanged
     weights: iteration 1's ratios are exactly 1 and the audit finds 0 mismatched tokens (and exit log-probs),
     iteration 2 (replayed on the slotted schedule) applies iteration 1's gradient bit for bit, and after
@@ -2280,11 +2372,12 @@ def test_micro_batched_update_on_a_slotted_rollout_is_exact(gc, mode, dtype, bet
     B = len(case.prompts)
     k, mb = data.draw(between(1, B), label="slots"), data.draw(between(1, B + 1), label="micro_batch")
     ckpt = data.draw(st.booleans(), label="grad_checkpoint")
+    numerics = data.draw(st.sampled_from(["fast", "static"]), label="numerics")
     model = case.model(dtype)
-    ro = _slotted_grpo_rollout(case, model, k, mode, exit_policy)
+    ro = _slotted_grpo_rollout(case, model, k, mode, exit_policy, numerics)
     g = S.GRPOConfig(group_size=G, beta=beta, mu=2, max_grad_norm=1e9, micro_batch=mb, grad_checkpoint=ckpt)
     opt = RecordingOptimizer(model)  # never steps: both iterations see the weights that sampled
-    m = S.grpo_update(model, opt, ro, rewards, g, ref_model=model if beta else None)
+    m = S.grpo_update(model, opt, ro, rewards, g, numerics, ref_model=model if beta else None)
     assert m["exact/mismatched_tokens"] == 0 and m["ratio_max"] == m["ratio_min"] == 1.0, m
     assert exit_policy == "threshold" or m["exact/mismatched_exit_logprobs"] == 0, m
     (_, first), (_, second) = opt.records
@@ -2362,7 +2455,10 @@ def test_micro_batched_update_is_the_whole_batch_update(
     checkpointing) are the weights after the whole-batch update (micro_batch 0), from the same initial weights on
     the same slotted rollout: rel = ||p_micro - p_whole|| / ||p_whole||, all parameters concatenated, <= 1e-10 in
     float64 and <= 1e-5 in float32 (only the summation order differs; AdamW divides each gradient by its own
-    size, so a weight whose gradient is 1e-4 of the largest turns a 1e-16 rounding into 1e-12 of its step).
+    size, so a weight whose gradient is 1e-4 of the largest turns a 1e-16 rounding into 1e-12 of its step). AdamW's
+    eps is 1e-4: its first step is lr g / (|g| + eps), and a gradient that is rounding alone (< 1e-6 of a clipped
+    gradient: the KL to the initial weights is 0 in value) then moves its weight by < 1e-2 lr, not by up to lr in
+    either direction as with eps 1e-8 (rel 2.9e-4 at 6 one-token prompts, R 1, KL to the initial weights).
     Every loss aggregation, drop_tied on and off, the KL term (beta 0.1, the reference the initial weights or
     another model), mu 1 and 2, both exit policies, SGD and AdamW, clipping at norm 1. The update itself is
     >= 100x the tolerance, so a micro-batch normalised by its own count, a lost micro-batch's gradient or a
@@ -2382,7 +2478,7 @@ def test_micro_batched_update_is_the_whole_batch_update(
         opt = (
             torch.optim.SGD(m.parameters(), lr=0.1)
             if optimizer == "sgd"
-            else torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0)
+            else torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.0, eps=1e-4)
         )
         S.grpo_update(
             m, opt, ro, rewards, dataclasses.replace(g, micro_batch=size, grad_checkpoint=redo), "fast", reference
