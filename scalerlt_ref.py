@@ -1,24 +1,19 @@
-"""ScaleRLT reference: exact reinforcement learning on looped (Ouro-style) language models.
+"""ScaleRLT reference: exact RL on looped (Ouro-style) language models.
 
 A looped LM applies one stack of L decoder layers R times ("loops"); after
 every loop an exit gate says how likely the token is to be done, so easy
 tokens stop early. A teaching reference, a GRPO trainer and an oracle for
 engines; its contract is the README's "Contract", cited as Contract §N.
 
-The method in four lines:
-- Deferred rollouts: a token stops at its exit loop; the loops it skipped
-  run later, only if a later token needs their K/V, riding along in its calls.
-- Sequences in flight sit in *slots*; each call advances every one of them by
-  one loop, at its own depth (a call's rows carry their loops).
-- Every rollout records its *schedule*: the ordered calls (rows, slots).
-- Replay re-executes the schedule through the same function: the sampler's
-  log-probs, bit for bit. The learner takes the value from the replay and the
-  gradient from a dense teacher-forced pass: GRPO's first ratios are exactly 1.
-- Optionally the exit loop is itself an action (`exit_policy="sampled"`).
-
-Bits depend on batching (kernels are picked by shape): the replay re-executes
-the *same* calls, so it gets the *same* bits; `numerics="invariant"` computes
-every row alone (slow; how the tests prove the algorithm).
+The method: a deferred rollout lets a token stop at its exit loop; the loops
+it skipped run later, only if a later token needs their K/V, riding along in
+its calls. Sequences in flight sit in *slots*; each call advances every one
+by one loop, at its own depth. A rollout records its *schedule* (the ordered
+calls); the replay re-executes it through the same function, so it gets the
+sampler's bits (kernels are picked by shape: the same calls, the same bits).
+The learner takes the value from the replay and the gradient from a dense
+teacher-forced pass: GRPO's first ratios are exactly 1. `numerics="invariant"`
+computes every row alone (slow; how the tests prove the algorithm).
 
 Below the banner "THE METHOD ENDS HERE": tooling, which nothing above needs.
 Simplified: one model a process, a dense KV cache, no sliding window, no bias.
@@ -56,12 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: the commands' bits on busy cores; MKL reads it only before torch is imported.
+# NOTE: the commands' bits on busy cores; MKL reads it before torch is imported.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
+from torch import Tensor  # noqa: E402
 
 
 # --- Config -----------------------------------------------------------------
@@ -74,9 +70,9 @@ class Config:
     intermediate_size: int = 128  # I, the MLP width
     num_hidden_layers: int = 2  # L, layers per loop
     num_attention_heads: int = 4  # H
-    num_key_value_heads: int = 2  # KVH; H is a multiple of KVH (GQA when KVH < H)
-    head_dim: int = 0  # D; 0 means hidden_size // num_attention_heads
-    total_ut_steps: int = 4  # R, loops ("universal transformer steps" in Ouro)
+    num_key_value_heads: int = 2  # KVH; H a multiple of it (GQA when KVH < H)
+    head_dim: int = 0  # D; 0: hidden_size // num_attention_heads
+    total_ut_steps: int = 4  # R, loops (Ouro: "universal transformer steps")
     early_exit_threshold: float | None = 1.0  # tau; None: every token exits at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
@@ -102,7 +98,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def by_rows(numerics: str, fn: Callable, *args) -> torch.Tensor:
+def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
     """`fn` of all rows at once ("fast", "static") or of one row at a time ("invariant").
     NOTE: a row alone gets the same bits whatever shares its call (same shapes)."""
     if numerics != "invariant":
@@ -111,13 +107,13 @@ def by_rows(numerics: str, fn: Callable, *args) -> torch.Tensor:
     return torch.cat([fn(*(x[i : i + 1] for x in args)) for i in range(n)])
 
 
-def sigmoid_elementwise(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (tested; why: Derivations)."""
+def sigmoid_elementwise(x: Tensor) -> Tensor:
+    """sigmoid by the scalar kernel: batch-independent bits (why: Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
 
-def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
     """cos, sin (max_position_embeddings, D), NeoX split-half layout: float64,
     rounded once, looked up by position (independent of the call)."""
     D = cfg.head_dim
@@ -127,7 +123,7 @@ def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[torch.Tensor, 
     return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (n, heads, D), cos/sin (n, 1, D): rotate pairs (i, i + D/2)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (n, heads, D)
@@ -141,7 +137,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x):  # x (n, C): x / rms(x) in acc_dtype (fused where the device has it)
+    def forward(self, x):  # x (n, C): x / rms(x) in acc_dtype
         xf = F.rms_norm(x.to(acc_dtype(x.dtype)), x.shape[-1:], eps=self.eps)
         return self.weight * xf.type_as(x)  # NOTE: in the input dtype, as in Ouro
 
@@ -159,7 +155,7 @@ class MLP(nn.Module):
 
 
 def recomputed(fn: Callable, redo: bool, *args):
-    """fn(*args); `redo` (activation checkpointing): backward runs fn again, not keep its work."""
+    """fn(*args); `redo` (checkpointing): backward reruns fn, not keeping its work."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
 
 
@@ -168,26 +164,20 @@ class ScheduleError(RuntimeError):
 
 
 def bucket(n: int) -> int:
-    """A static size >= n: a power of two up to 128, then a multiple of 128 (static calls take few shapes)."""
+    """A static size >= n: a power of two to 128, then a multiple of 128."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
-
-
-def on_device(parts: list[list[int]], device) -> list[torch.Tensor]:
-    """Lists of ints -> long tensors on `device`, in one transfer: views of one."""
-    flat = torch.tensor(list(itertools.chain(*parts)), dtype=torch.long).to(device)
-    return list(flat.split([len(part) for part in parts]))
 
 
 @dataclass
 class Grid:
-    """Some lines of a call packed for attention (`Rows`): Bc lines of Tq columns."""
+    """Some lines of a call, packed for attention: Bc lines of Tq columns."""
 
-    rows: torch.Tensor  # (m,) long: the model's rows in this grid, line by line
-    line: torch.Tensor  # (m,) each row's line
-    col: torch.Tensor  # (m,) and its column
-    kv: torch.Tensor  # (Bc,) the cache line each line reads
-    pos: torch.Tensor  # (Bc, Tq) each cell's position (padding: 0): it sees keys <= it
-    Tk: int  # keys 0 .. Tk - 1: the last position + 1 (a replay's cache has another T)
+    rows: Tensor  # (m,) long: the model's rows here, line by line
+    line: Tensor  # (m,) each row's line
+    col: Tensor  # (m,) and its column
+    kv: Tensor  # (Bc,) the cache line each line reads
+    pos: Tensor  # (Bc, Tq) each cell's position (padding: 0)
+    Tk: int  # keys 0 .. Tk - 1: the last position + 1
 
     @staticmethod
     def of(lines: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
@@ -197,7 +187,7 @@ class Grid:
         line -1, and padding rows (indices from `pad`) fill free cells."""
         Bc, Tq = len(lines), max(len(ps) for _, ps, _ in lines)
         Tk, m = max(ps[-1] for _, ps, _ in lines) + 1, sum(len(ps) for _, ps, _ in lines)
-        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq), a bucket too: cells enough
+        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
         if static:
             Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
         rows, line, col, pos, free = [], [], [], [], []
@@ -228,31 +218,29 @@ class Rows:
           0     1   5  3   pos 9
           1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5
 
-    A row reads and writes loop r's K/V of its sequence's slot s: cache line
-    (r - 1) * S + s of each layer (`LoopCache`), so one gather serves a call
-    of mixed loops. `static` (numerics "static", for CUDA graphs): the model
-    runs `pad` more rows (zeros at position 0, writing the scratch line) and
-    every size is a `bucket`; no padding row reaches a real one. Built on the
-    host, sent in one transfer: attention reads nothing back."""
+    A row reads and writes loop r's K/V of its slot s: cache line (r - 1) * S
+    + s (`LoopCache`): one gather serves mixed loops. `static` (CUDA graphs):
+    every size a `bucket`, `pad` more rows (zeros at position 0, writing the
+    scratch line). Built on the host, sent at once: nothing is read back."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
     S: int  # slots
     static: bool
-    seq: torch.Tensor  # (n,) long, and likewise:
-    pos: torch.Tensor
-    loop: torch.Tensor
-    slot: torch.Tensor
-    line_slot: torch.Tensor  # (lines,) each sequence's slot, loop, last position
-    line_loop: torch.Tensor
-    line_last: torch.Tensor
-    kv: torch.Tensor  # (n + pad,) the model's rows: the cache line each writes
-    kv_pos: torch.Tensor  # (n + pad,) and the position (RoPE's too)
-    unorder: torch.Tensor  # (n + pad,) the grids' rows back in the model's order
-    in_order: bool  # one grid, rows in order: `unorder` not needed
+    seq: Tensor  # (n,) long, and likewise:
+    pos: Tensor
+    loop: Tensor
+    slot: Tensor
+    line_slot: Tensor  # (lines,) a line's slot, loop, last position
+    line_loop: Tensor
+    line_last: Tensor
+    kv: Tensor  # (n + pad,) the line each model row writes
+    kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
+    unorder: Tensor  # (n + pad,) the grids' rows back in order
+    in_order: bool  # one grid in order: no `unorder`
     grids: list[Grid]
     pad: int
-    flat: torch.Tensor  # the model's inputs of the one transfer: kv, kv_pos, unorder, grids are views of it
+    flat: Tensor  # the model's inputs: kv ... grids are views of it
     alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
@@ -268,29 +256,29 @@ class Rows:
             index.append(i)
         per_line = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lines.items()]  # slot, loop, last
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lines.items()}
-        pad, parts, shapes = itertools.count(len(rows)), [], []  # pad: the padding rows' indices
+        pad, parts, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
         for alone in (True, False):  # lines of one row, then lines of several
             some = [(kv[b], ps, ix) for b, (_, ps, ix) in lines.items() if (len(ps) == 1) == alone]
             if some:
                 grid, shape = Grid.of(some, static, pad)
                 parts, shapes = parts + grid, shapes + [shape]
-        order, n = list(itertools.chain(*parts[::5])), len(rows)  # the grids' rows
-        n_pad = len(order)  # n + pad
-        # The model's inputs first (their layout is the call's shape: `CallGraphs` copies them), then the rest.
-        model_in = [[kv[b] for b, _, _ in rows] + [-1] * (n_pad - n), [p for _, p, _ in rows] + [0] * (n_pad - n)]
+        order, (seq, pos, loop) = list(itertools.chain(*parts[::5])), map(list, zip(*rows))
+        n, n_pad = len(rows), len(order)  # n + pad
+        # the model's inputs first: their layout is the shape's (`CallGraphs`)
+        model_in = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
         model_in += [sorted(range(n_pad), key=order.__getitem__)] + parts
-        per_row = [[b for b, _, _ in rows], model_in[1][:n], [r for _, _, r in rows], [slot_of[b] for b, _, _ in rows]]
-        tensors = on_device(model_in + per_row + list(zip(*per_line)), device)
+        parts = model_in + [seq, pos, loop, [slot_of[b] for b in seq]] + list(zip(*per_line))  # one transfer
+        tensors = torch.tensor(list(itertools.chain(*parts))).to(device).split(list(map(len, parts)))
         grids = []
         for i, (Bc, Tq, Tk) in enumerate(shapes):
             g_rows, line, col, g_kv, pos = tensors[3 + 5 * i : 8 + 5 * i]
             grids.append(Grid(g_rows, line, col, g_kv, pos.view(Bc, Tq), Tk))
         in_order = len(grids) == 1 and order == list(range(n_pad))
         flat = tensors[0]._base[: sum(map(len, model_in))]
-        rest = tensors[len(model_in) :]  # seq, pos, loop, slot; line_slot, line_loop, line_last
+        rest = tensors[len(model_in) :]  # per row, then per line
         return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
 
-    def __getitem__(self, i: slice) -> Rows:  # some rows alone (`by_rows`), packed once
+    def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`), packed once
         if (i.start, i.stop) not in self.alone:
             self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
         return self.alone[i.start, i.stop]
@@ -325,11 +313,14 @@ class Attention(nn.Module):
         return out[0] if rows.in_order else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
+        """NOTE: not `F.scaled_dot_product_attention`: its backend, so its bits and
+        kernels, is picked by device, shape and mask; this is one arithmetic on every
+        device (its math backend's), checked by the suite there (`.ci/gpu_check.py`)."""
         (m, H, D), dtype = q.shape, q.dtype
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        if Tq == 1:  # lines of one row, in order: the rows are the grid
+        if Tq == 1:  # one row a line, in order: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
             qp = q.new_zeros(Bc, Tq, H, D)
@@ -338,8 +329,8 @@ class Attention(nn.Module):
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
         att = att.masked_fill(masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
-        y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)  # (Bc, Tq, KVH, rep, D)
-        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.line, g.col]  # (m, KVH, rep, D): padding dropped
+        y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.line, g.col]  # padding dropped
         return self.o_proj(y.reshape(m, H * D))
 
 
@@ -388,7 +379,7 @@ class LoopedLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         gen = torch.Generator().manual_seed(seed)  # not the global RNG
         for name, param in self.named_parameters():
-            if param.is_meta:  # shapes only, to be filled from a checkpoint
+            if param.is_meta:  # shapes only, filled from a checkpoint
                 break
             if "layernorm" in name or name == "model.norm.weight":
                 continue  # norms start at 1
@@ -399,7 +390,7 @@ class LoopedLM(nn.Module):
                 param.copy_(init)
         self._rope: dict = {}
         self.grad_checkpoint = False  # recompute teacher forcing in backward
-        self.call_graphs = None  # static calls' CUDA graphs (`CallGraphs`, below the banner)
+        self.call_graphs = None  # CUDA graphs (`CallGraphs`, tooling)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -409,13 +400,13 @@ class LoopedLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self) -> tuple[Tensor, Tensor]:
         key = (self.dtype, self.device)
         if key not in self._rope:  # once per dtype and device
             self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
         return self._rope[key]
 
-    def loop(self, x, rows: Rows, k: list[torch.Tensor], v: list[torch.Tensor], numerics: str = "fast"):
+    def loop(self, x, rows: Rows, k: list[Tensor], v: list[Tensor], numerics: str = "fast"):
         """x (n, C), rows' input -> h (n, C), through the L layers and the
         norm, each row at its own loop; k, v: each layer's K/V (`LoopCache`)."""
         cos, sin = self.rope()
@@ -426,22 +417,23 @@ class LoopedLM(nn.Module):
             x = by_rows(numerics, run, x, rows, cos, sin)
         return by_rows(numerics, self.model.norm, x)
 
-    def gate_logits(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
+    def gate_logits(self, h: Tensor, numerics: str = "fast") -> Tensor:
         """h (n, C) -> exit-gate logits (n,) in the model dtype."""
         return by_rows(numerics, self.model.early_exit_gate, h)[:, 0]
 
-    def readout(self, h: torch.Tensor, numerics: str = "fast") -> torch.Tensor:
+    def readout(self, h: Tensor, numerics: str = "fast") -> Tensor:
         """h (n, C) -> logits (n, V) in the model dtype."""
         return by_rows(numerics, self.lm_head, h)
 
 
 # --- Exit rule --------------------------------------------------------------
 
-# "survival": Contract §3's exit rule; "hf": modeling_ouro.py's arithmetic.
-EXIT_RULES = ("survival", "hf")
+# The exit rule's CDF by name: "survival" is Contract §3's; "hf" (modeling_ouro.py's
+# arithmetic, to check engines that use it) is registered below the banner.
+EXIT_CDFS: dict[str, Callable[[Tensor, int], Tensor]] = {}
 
 
-def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
+def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
     """Contract §3's CDF of j <= R loops' gates (..., j): float64, CDF_R = 1.
     CDF_j = 1 - prod_{i<=j} (1 - lam_i), lam in acc_dtype."""
     stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
@@ -455,25 +447,12 @@ def _survival_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
     return cdf
 
 
-def _hf_cdf(gate_logits: torch.Tensor, R: int) -> torch.Tensor:
-    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
-    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p).
-    Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
-    lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
-    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
-    wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
-    total = torch.zeros_like(remaining, dtype=wide)
-    cdf = [lam[..., :0]]
-    for i in range(lam.shape[-1]):  # loop i + 1; the last takes the rest
-        total = total + (lam[..., i] * remaining if i < R - 1 else remaining)
-        remaining = remaining * (1.0 - lam[..., i])
-        cdf.append(total.to(lam.dtype)[..., None])
-    return torch.cat(cdf, dim=-1)
+EXIT_CDFS["survival"] = _survival_cdf
 
 
 def exit_loops(
-    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
-) -> torch.Tensor:
+    gate_logits: Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
+) -> Tensor:
     """The exit rule (Contract §3): gates (n, j) of j <= R loops -> exit loops
     (n,) long, the first r >= min_loops with CDF_r >= tau (R: none or tau None;
     0: undecided). done (n,) long: the loops each row has run (default j; later
@@ -482,9 +461,9 @@ def exit_loops(
     done = torch.full((n,), j, device=dev) if done is None else done  # (n,)
     if tau is None or j == 0:
         return torch.where(done >= R, R, 0)
-    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
+    cdf = EXIT_CDFS[rule](gate_logits, R)
     loop = torch.arange(1, j + 1, device=dev)  # (j,)
-    hit = (cdf >= tau) & (loop >= min_loops) & (loop <= done[:, None])  # (n, j); "hf": HF's comparison
+    hit = (cdf >= tau) & (loop >= min_loops) & (loop <= done[:, None])  # (n, j)
     hit |= (loop == R) & (done[:, None] >= R)  # the last loop always exits
     first = hit.to(torch.int64).argmax(dim=1, keepdim=True)  # (n, 1) 0-based
     return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0: none exits
@@ -495,30 +474,27 @@ def exit_loops(
 EXIT_POLICIES = ("threshold", "sampled")
 
 
-def uniforms(gens: list[torch.Generator | None], device) -> torch.Tensor:
-    """Each generator's next draw, a float64 in [0, 1) drawn on the host (None:
-    no draw, 0): (n,)."""
+def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
+    """Each generator's next draw on the host, float64 in [0, 1) (None: 0): (n,)."""
     zero = torch.zeros((), dtype=torch.float64)
     draws = [zero if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
     return torch.stack(draws).to(device)
 
 
-def sample_exits(g: torch.Tensor, r: torch.Tensor, R: int, min_loops: int, u: torch.Tensor) -> torch.Tensor:
-    """The sampled exit policy after each row's loop r (n,) long: r (exit now)
-    or 0. g (n,): the rows' loop-r gates; u (n,) float64: their draws, read
-    where min_loops <= r < R. Before min_loops: stay; at R: exit; else exit
-    iff u < lam (Derivations)."""
+def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Tensor:
+    """The sampled exit policy after each row's loop r (n,): r (exit) or 0. g
+    (n,): loop r's gates; u (n,) float64: draws, read at min_loops <= r < R.
+    Before min_loops: stay; at R: exit; else exit iff u < lam (Derivations)."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
 
 
-def exit_logprob(gate_logits: torch.Tensor, exits: torch.Tensor, min_loops: int = 1) -> torch.Tensor:
+def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
     """log p(exit = e) under `sample_exits`, differentiable: gates (..., R),
-    exits (...) long (0: no token, log p 0) -> (...) acc_dtype, the sum of
-    log(1 - lam_j) for min_loops <= j < e and log lam_e if e < R.
-    NOTE: the ONE place this is computed (rollout, replay, teacher forcing;
-    why this form: README, Contract, "Derivations")."""
+    exits (...) (0: none, log p 0) -> (...): the sum of log(1 - lam_j) for
+    min_loops <= j < e, and log lam_e if e < R. NOTE: computed here only, for
+    rollout, replay and teacher forcing (why this form: Derivations)."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -538,10 +514,10 @@ class LoopCache:
     loop output; depth (S, T) long: its loops done. `seat` gives a slot.
     NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    h: torch.Tensor
-    depth: torch.Tensor
+    k: list[Tensor]
+    v: list[Tensor]
+    h: Tensor
+    depth: Tensor
     S: int
     R: int
     slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
@@ -552,7 +528,7 @@ class LoopCache:
         cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
         R, KVH, D = cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
         new = lambda: [torch.zeros(R * S + 1, KVH, T, D, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache's address
+        graphs = model.call_graphs if numerics == "static" else None  # graphs hold its address
         k, v = graphs.kv_buffers(S, T, new) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, R)
@@ -590,31 +566,28 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-def execute_call(model: LoopedLM, call: Call, tokens: torch.Tensor, cache: LoopCache, numerics: str):
+def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
     """The ONE function rollouts, replays and teacher forcing compute with:
-    updates the cache, returns h (n, C), each row's loop output, and the Rows.
-    tokens (B, T) long. NOTE: same call, cache and numerics => same bits:
-    replay rests on this."""
+    updates the cache; returns each row's loop output h (n, C), and the Rows.
+    NOTE: same call, cache and numerics => same bits: replay rests on this."""
     cache.seat(call.enter)
     seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
     if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r-1; the K/V they need exist, this call's rows included.
+    # Deferral's invariant: rows at depth r - 1; every K/V they attend to exists.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if 1 in loops:  # loop 1 starts from the token's embedding
+    if 1 in loops:  # loop 1 starts from the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
     cache.depth[slot, pos] = r
-    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]  # (Bc, T)
+    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]
     missing = (needed & (cache.depth[rows.line_slot] < rows.line_loop[:, None])).sum()
     if late + missing:  # one read back per call
-        raise ScheduleError(
-            f"call at loops {sorted(loops)}: a row not done with loop r - 1, or attending to a K/V never computed"
-        )
-    loop = model.call_graphs or model.loop  # the same function, or its graph (static calls, CUDA)
-    h = loop(F.pad(x, (0, 0, 0, rows.pad)), rows, cache.k, cache.v, numerics)[: len(call.rows)]  # (n, C)
+        raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
+    loop = model.call_graphs or model.loop  # or its CUDA graph
+    h = loop(F.pad(x, (0, 0, 0, rows.pad)), rows, cache.k, cache.v, numerics)[: len(call.rows)]
     cache.h[slot, pos] = h
     if call.share:
         cache.copy_sequences(call.share)
@@ -625,13 +598,13 @@ class ExactKV:
     """The method's KV policy (Contract §4): every K/V attended to is exact.
     Others override its hooks (`LastExitedKV`, below the banner)."""
 
-    prefill_all_loops = False  # does the prefill run every loop of the prompt?
+    prefill_all_loops = False  # does the prefill run every loop?
 
-    def after_readout(self, cache: LoopCache, call: Call, prompt_end: torch.Tensor) -> None:
-        """After a call's readout sampled; prompt_end (B,): each prompt's last position."""
+    def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
+        """After a call's readout sampled; prompt_end (B,): prompts' last positions."""
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
-        """Does teacher forcing run loop r of position p (its token's exit e)? Yes."""
+        """Does teacher forcing run loop r of position p (exit e)? Yes."""
         return True
 
 
@@ -649,41 +622,41 @@ class Policy:
     the work and bits, never the distribution (Contract §4); the rest define it."""
 
     mode: str = "deferred"  # MODES: "dense" runs all R loops; "deferred" waits
-    numerics: str = "fast"  # NUMERICS; "static": padded (CUDA graphs); "invariant": rows alone
+    numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
-    exit_threshold: float | None = None  # tau; None: the config's
-    exit_rule: str = "survival"  # EXIT_RULES
+    exit_threshold: float | None = None  # tau; None: the config's (whose None: exit at R)
+    exit_rule: str = "survival"  # EXIT_CDFS
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
     top_k: int = 0  # only the k most likely tokens (0: all)
-    top_p: float = 1.0  # ... the fewest whose probability reaches top_p
-    stop_ids: tuple[int, ...] = ()  # sampling one ends the sequence
+    top_p: float = 1.0  # ... the fewest reaching probability top_p
+    stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none stops, nor EOS
 
     def __post_init__(self):
-        choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_RULES, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
+        choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_CDFS, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
         for name, allowed in choices.items():
             if (v := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {v!r}")
         finite = 0 <= self.temperature < math.inf and 0 <= (self.exit_threshold or 0) < math.inf
-        if not (finite and self.min_loops >= 1):
-            need = "a finite temperature >= 0, min_loops >= 1 and a finite threshold >= 0 or None"
+        if not (finite and self.min_loops >= 1 and self.top_k >= 0 and 0 < self.top_p <= 1):
+            need = "finite temperature, threshold >= 0 (or None), min_loops >= 1, top_k >= 0, top_p in (0, 1]"
             raise ValueError(f"need {need}: {self}")
-        if not (self.top_k >= 0 and 0 < self.top_p <= 1 and isinstance(self.stop_ids, tuple)):
-            raise ValueError(f"need top_k >= 0, top_p in (0, 1] and stop_ids a tuple: {self}")
+        if not isinstance(self.stop_ids, tuple):
+            raise ValueError(f"stop_ids must be a tuple: {self}")
         if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):
-            raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam in float32")
+            raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam")
         if (self.kv, self.mode) == ("last_exited", "dense"):
-            raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop at their exit)")
+            raise ValueError("kv='last_exited' is a deferred engine's policy (positions stop)")
 
 
-def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast") -> torch.Tensor:
+def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> Tensor:
     """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype.
     x = logits / temperature, then vLLM's top-k, top-p (Contract §3): keep x >=
     its k-th largest, drop the least likely while their total is <= 1 - top_p."""
     t = policy.temperature if policy.temperature > 0 else 1.0
 
-    def kept(z: torch.Tensor) -> torch.Tensor:
+    def kept(z: Tensor) -> Tensor:
         x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
         if not policy.top_k and policy.top_p == 1:
             return torch.log_softmax(x, dim=-1)
@@ -702,7 +675,7 @@ def policy_logprobs(logits: torch.Tensor, policy: Policy, numerics: str = "fast"
     return by_rows(numerics, kept, logits)
 
 
-def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numerics: str) -> torch.Tensor:
+def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: str) -> Tensor:
     """h (n, C), a call's output -> log-probs (n_out, V) of its `readout` rows.
     NOTE: the rollout samples from these, the replay scores with them, both
     after the same `execute_call`: hence their log-probs agree bit for bit."""
@@ -711,17 +684,16 @@ def read_out(model: LoopedLM, call: Call, h: torch.Tensor, policy: Policy, numer
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
-def deciding(loop, seq: torch.Tensor, pos: torch.Tensor, prompt_end: torch.Tensor, exits: torch.Tensor):
-    """Which rows (seq, pos) (n,) of a call at `loop` (n,) decide an exit: (n,)
-    bool. Row (b, p) produces token p - prompt_end[b] (prompt_end (B,): each
-    prompt's last position); it decides while loop <= exits[b, token] (exits
-    (B, N) long: each token's exit loop, 0: none).
-    The ONE statement of the rule, for both sides: the rollout marks the token
-    being sampled R + 1 (undecided: its row decides until it exits), the replay
-    passes the recorded exits (loops 1..e decide again: sampled exits' log-probs
-    need those gates). Prompt rows and rows past their exit decide nothing."""
+def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
+    """Which rows (seq, pos) (n,) at `loop` (n,) decide an exit: (n,) bool. Row
+    (b, p) makes token p - prompt_end[b]; exits (B, N): each token's exit, 0
+    while none (as `exit_loops`, `sample_exits`, `exit_logprob` return it).
+    A row decides while its token has no exit, or up to its exit: the ONE rule
+    (the replay passes recorded exits: loops 1..e decide again, for sampled
+    exits' log-probs). Prompt rows never decide."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
-    return (tok_index >= 0) & (loop <= exits[seq, tok_index.clamp(min=0)])
+    e = exits[seq, tok_index.clamp(min=0)]  # (n,)
+    return (tok_index >= 0) & ((e == 0) | (loop <= e))
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -730,7 +702,7 @@ def sequence_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def sample_tokens(logp: torch.Tensor, u: torch.Tensor | None, temperature: float) -> torch.Tensor:
+def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
     """A draw from each row of logp (n, V) by inverse CDF at u (n,) float64;
     argmax when greedy (u None). (n,) long, always a kept token."""
     if temperature == 0:
@@ -758,41 +730,35 @@ class Rollout:
 
     prompts: list[list[int]]
     completions: list[list[int]]  # sampled ids, a sampled stop id included
-    exit_loops: list[list[int]]  # each completion token's exit loop (1-based)
-    logprobs: torch.Tensor  # (B, N) acc_dtype; 0 where mask is False
-    mask: torch.Tensor  # (B, N) bool
+    exit_loops: list[list[int]]  # each token's exit loop (1-based)
+    logprobs: Tensor  # (B, N) acc_dtype; 0 where mask is False
+    mask: Tensor  # (B, N) bool
     schedule: Schedule | None  # None for records read from a file
     policy: Policy  # the sampler's (the schedule's own)
-    exit_logprobs: torch.Tensor  # (B, N) log p(exit = e); 0 for "threshold"
+    exit_logprobs: Tensor  # (B, N) log p(exit = e); 0: "threshold"
 
-    def tokens(self, device=None) -> torch.Tensor:
+    def tokens(self, device=None) -> Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
         seqs = [prompt + c for prompt, c in zip(self.prompts, self.completions)]
         T = max(len(s) for s in seqs)
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     def select(self, seqs: list[int]) -> Rollout:
-        """Sequences `seqs` alone, without the schedule: teacher forcing's input."""
+        """Sequences `seqs` alone, without the schedule."""
         lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
         tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
         return dataclasses.replace(self, **lists, **tensors, schedule=None)
 
 
-def _exit_tensor(exit_loops: list[list[int]], N: int, device=None) -> torch.Tensor:
-    """exit_loops (B lists) -> (B, N) long, padded with 0 (no token)."""
-    return torch.tensor([e + [0] * (N - len(e)) for e in exit_loops], dtype=torch.long, device=device)
-
-
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
     """Teacher forcing's first calls: a GRPO group's first sequence runs every
-    loop of the prompt but its last position, and the last call copies its
-    cache to the group's others (`Call.share`). The rollout does the same for
-    a group that takes its slots at one call."""
+    loop of the prompt but its last position; the last call copies its cache
+    to the group's others (`Call.share`). So does the rollout's group."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
     for r in range(1, R + 1):
-        rows = []  # the leaders' prompt positions but the last
+        rows = []  # the leaders' prompts but the last position
         for a in sorted({a for _, a in share}):
             rows += [(a, p, r) for p in range(len(prompts[a]) - 1)]
         calls.append(Call(rows, share=share if r == R else []))
@@ -811,22 +777,11 @@ def rollout(
     flight one loop, at its own depth (Contract §4): its *focus*, the newest
     position, runs its next loop r, and every earlier position at r-1 rides
     along. An exiting focus samples the next token, the focus at once
-    (deferred) or once the newest has run all R loops (dense). A 3-token
-    prompt, R = 3, tokens exiting at 1, 3, 1, 2 (a cell: the call; `schedule_grid`):
-
-        dense                      deferred
-        pos   L1  L2  L3           pos   L1  L2  L3
-          0    0   1   2             0    0   2   3
-          1    0   1   2             1    0   2   3
-          2    0   1   2             2    0   2   3     <- exits at loop 1 in call 0
-          3    3   4   5             3    1   2   3     <- needs loops 2-3: 0-2 ride along
-          4    6   7   8             4    4   6   ·     <- exits at 1; loop 2 rides in call 6
-          5    9  10  11             5    5   6   ·     <- exits at 2: loop 3 never needed
-
-    Same tokens, 12 calls or 7; with more sequences, a call carries each at its
-    own loop, and nothing waits for another's depth or length. NOTE: riding
-    along is safe: loop r of a position reads only earlier positions' loop-r
-    K/V, brought up to r no later than now. Same draws: Derivations (rollout)."""
+    (deferred) or once the newest has run all R loops (dense). Drawn: README,
+    "Dense and deferred, drawn" (`schedule_grid`). NOTE: riding along is safe:
+    loop r of a position reads only its own loop r-1 output and earlier
+    positions' loop-r K/V, brought up to r no later than now. Same draws as
+    dense: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -836,22 +791,20 @@ def rollout(
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
-    # The rollout's state: per sequence on the device (t: a completion token) ...
+    # The rollout's state: per sequence on the device (t: a completion token)...
     tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
     cache = LoopCache.empty(model, min(max_num_seqs or B, B), T, numerics)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
     completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
-    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: no token
-    exits[:, 0] = R + 1  # token 0 of each sequence: undecided
+    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: none yet
     logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
-    positions = torch.arange(T, device=dev)
     stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)
     # ... and on the host: who sits where; each sequence's focus, its loops done.
     waiting, seat = list(range(B))[::-1], {}  # pop(): the next to enter; slot -> sequence
     ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
     focus, done, length = list(ends), [0] * B, [0] * B
-    held, stopped = {}, set()  # held: a group's other -> its leader, until the prompt is shared
+    held, stopped = {}, set()  # held: other -> leader, until it shares the prompt
     # runs_all(b): does b's focus run all R loops? (dense; last_exited's prefill)
     runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731
     calls = []
@@ -859,7 +812,7 @@ def rollout(
         # 1) Free slots take the next sequences (`execute_call` seats them).
         enter = [(waiting.pop(), s) for s in range(cache.S) if s not in seat and waiting]
         seat |= {s: b for b, s in enter}
-        leader = {}  # a group taking its slots together computes its prompt once
+        leader = {}  # a group seated together computes its prompt once
         for b, _ in enter:
             a = leader.setdefault(tuple(prompts[b]), b)
             if a != b and ends[b] > 0:
@@ -868,9 +821,9 @@ def rollout(
         live = sorted(s for s, b in seat.items() if b not in held)
         loop = {seat[s]: done[seat[s]] + 1 for s in live}
         f, r = torch.tensor([[focus[seat[s]], loop[seat[s]]] for s in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,) seated now
+        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[live, :T])  # (k, T)
-        todo = (depth == r[:, None] - 1) & (positions <= f[:, None])  # (k, T)
+        todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(seat[live[i]], p, loop[seat[live[i]]]) for i, p in todo.nonzero().tolist()]
         share = [(b, a) for b, a in held.items() if loop[a] == R]  # the prompt done: copied
         call = Call(sorted(rows), share=share, enter=enter)
@@ -879,10 +832,10 @@ def rollout(
         for b in loop:
             done[b] += 1
         # 3) Undecided newest positions decide: by the rule, or by a draw.
-        dec = deciding(on.loop, on.seq, on.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+        dec = decides_exit(on.loop, on.seq, on.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
         if dec.numel():
-            b, r = on.seq[dec], on.loop[dec]  # (n_dec,) the deciding rows' sequences and loops
-            t = on.pos[dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
+            b, r = on.seq[dec], on.loop[dec]  # (n_dec,) each
+            t = on.pos[dec] - prompt_end[b]  # and their tokens
             g = model.gate_logits(h[dec], numerics)  # (n_dec,)
             gates[b, t, r - 1] = g
             deciders = [call.rows[i] for i in dec.tolist()]
@@ -891,9 +844,9 @@ def rollout(
                 e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, dev))
             else:
                 e = exit_loops(gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
-            exits[b, t] = torch.where(e > 0, e, R + 1)  # e = 0 (undecided) is kept as R + 1
+            exits[b, t] = e  # 0: not yet
             call.readout = [row for row, out in zip(deciders, (e > 0).tolist()) if out]
-        # 4) The rows exiting read out; each samples its next token; a stop id or N tokens stop it.
+        # 4) Exiting rows read out and sample; a stop id or N tokens stop the sequence.
         if call.readout:
             logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
             readers = [c for c, _, _ in call.readout]
@@ -905,17 +858,16 @@ def rollout(
             logprobs[b, t] = logp.gather(1, tok[:, None])[:, 0]
             tokens[b, p + 1] = tok  # the next position's input
             stop = torch.isin(tok, stop_ids) | (t + 1 == N)  # (n_out,)
-            exits[b[~stop], t[~stop] + 1] = R + 1  # the next token: undecided
             kv.after_readout(cache, call, prompt_end)
             for (c, q, _), ends_here in zip(call.readout, stop.tolist()):
                 length[c] += 1
                 stopped.update([c] if ends_here else [])
                 if not (ends_here or runs_all(c)):
-                    focus[c], done[c] = q + 1, 0  # deferred: the new position is the focus
-        # 5) A focus done with loop R moves on: the shared prompt's end, the next position, or out.
+                    focus[c], done[c] = q + 1, 0  # deferred: the new position is focus
+        # 5) A focus done with loop R moves on: the prompt's end, the next position, or out.
         for s in live:
             b = seat[s]
-            if done[b] == R and focus[b] < ends[b]:  # the prompt is shared: the group goes on
+            if done[b] == R and focus[b] < ends[b]:  # prompt shared: the group goes on
                 for a in [b] + [a for a, c in held.items() if c == b]:
                     focus[a], done[a] = ends[a], 0
                     held.pop(a, None)
@@ -939,33 +891,32 @@ def rollout(
 
 def execute_schedule(
     model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
-    on_call: Callable[[Call, torch.Tensor], None] | None = None,
-    on_readout: Callable[[Call, torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Run `calls` over the rollout's tokens: its own schedule (the replay) or the dense one (teacher
-    forcing). Returns (token, exit) log-probs (B, N), 0 where mask is False: the recorded tokens' where
-    calls read out; `exit_logprob` of the recorded exits from their deciding gates (threshold: zeros).
-    `on_call(call, h)`, `on_readout(call, logp)`: each call's output and readout (the oracle's)."""
+    on_call: Callable[[Call, Tensor], None] | None = None,
+    on_readout: Callable[[Call, Tensor], None] | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Run `calls` (the replay's, teacher forcing's) over the rollout's tokens: (token, exit)
+    log-probs (B, N) of the recorded tokens and exits (threshold: exits' 0); 0 off the mask.
+    `on_call(call, h)`, `on_readout(call, logp)`: hooks (the oracle's)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: 1 + the largest slot seated, at most B
+    slots = 0  # the rollout's S: 1 + the largest slot seated
     for call in calls:
         slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
     cache = LoopCache.empty(model, slots, tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
-    exits = _exit_tensor(ro.exit_loops, N, dev)  # (B, N)
+    exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N) 0: no token
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        if sampled:  # NOTE: the rows the rollout asked, in its order: its gates' bits
-            i_dec = deciding(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+        if sampled:  # NOTE: the rollout's rows, in its order: its bits
+            i_dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]
             if i_dec.numel():
-                b, r = rows.seq[i_dec], rows.loop[i_dec]  # (n_dec,) the deciding rows' sequences, loops
-                tok_index = rows.pos[i_dec] - prompt_end[b]  # (n_dec,) and the tokens they produce
+                b, r = rows.seq[i_dec], rows.loop[i_dec]  # (n_dec,) each
+                tok_index = rows.pos[i_dec] - prompt_end[b]  # and their tokens
                 gates[b, tok_index, r - 1] = model.gate_logits(h[i_dec], numerics)
         if not call.readout:
             continue
@@ -973,7 +924,7 @@ def execute_schedule(
         if on_readout is not None:
             on_readout(call, logp)
         b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
-        out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]  # the recorded token's
+        out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]
         kv.after_readout(cache, call, prompt_end)
     if not sampled:
         return out, torch.zeros_like(out)
@@ -981,8 +932,11 @@ def execute_schedule(
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """Re-execute the rollout's own schedule (same calls, rows, order, numerics) without gradients: (B, N)
-    log-probs, `ro.logprobs` bit for bit while the weights are unchanged; `with_exits`: (tokens', exits')."""
+    """The rollout's own schedule again, without gradients: (B, N) log-probs, `ro.logprobs`
+    bit for bit while the weights are unchanged; `with_exits`: (tokens', exits').
+    NOTE: by induction: call i repeats the rollout's call i (rows, order, shapes, device)
+    on K/V that earlier calls wrote with the rollout's bits. All tokens exist from the start
+    and the cache may be longer: no matter, a row reads nothing past its own position."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
@@ -991,16 +945,16 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """The dense, parallel schedule of a teacher-forced forward: loop r = 1..R over every position of every
-    sequence at once (a group's prompt once: `shared_prefix`), read out at the recorded exit loops."""
+    """Teacher forcing's dense schedule: loop r = 1..R of every position at once (a group's
+    prompt once: `shared_prefix`), read out at the recorded exit loops."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = set()  # sequences whose prompt the shared prefix computed
+    grouped = set()  # sequences whose prompt was shared
     for pair in calls[-1].share if calls else []:
         grouped.update(pair)
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
-            end = len(prompt) - 1  # the prompt's last position reads out token 0
+            end = len(prompt) - 1  # the prompt's end reads out token 0
             for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
                 if kv.teacher_forced_runs(p, end, exits[p - end] if p > end else 0, r):
                     rows.append((b, p, r))
@@ -1011,14 +965,14 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward, every loop of every position, read out at the recorded exits: (B, N)
-    log-probs on the model's device; with `with_exits`, (tokens', exits') log-probs."""
+    """One differentiable forward (eager: "static" runs "fast"), read out at the recorded
+    exits: (B, N) log-probs on the model's device; with `with_exits`, (tokens', exits')."""
     calls, numerics = teacher_forced_schedule(ro, model.config.total_ut_steps), numerics.replace("static", "fast")
-    tok, ext = execute_schedule(model, ro, calls, numerics)  # static shapes: for graphs, and this runs eager
+    tok, ext = execute_schedule(model, ro, calls, numerics)
     return (tok, ext) if with_exits else tok
 
 
-def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
+def hybrid(value: Tensor, tf: Tensor) -> Tensor:
     """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
 
     NOTE: in this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x: `value`'s bits, always. The
@@ -1027,18 +981,18 @@ def hybrid(value: torch.Tensor, tf: torch.Tensor) -> torch.Tensor:
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
-def joint_logprobs(ro: Rollout, tok: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
-    """The policy's log-prob of each step, (B, N): log pi(token | loop e) + log p(exit = e) when the exits
-    were sampled; the token's alone under the threshold policy (its exits are not actions)."""
+def joint_logprobs(ro: Rollout, tok: Tensor, ext: Tensor) -> Tensor:
+    """Each step's log-prob (B, N): log pi(token | loop e) + log p(exit = e) for sampled
+    exits; the token's alone under the threshold (its exits are not actions)."""
     return tok + ext if ro.policy.exit_policy == "sampled" else tok
 
 
 def learner_logprobs(
-    model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The learner's joint log-prob of each step, (B, N): `hybrid(value, tf)`, tokens and exits alike;
-    `value` the exact (token, exit) log-probs if known (GRPO's first iteration: the sampler's records),
-    else the replay's. Returns (logp, tf): the hybrid, and tf (a naive learner's)."""
+    model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(logp, tf) (B, N) joint: `hybrid(value, tf)` for tokens and exits, and tf (a naive
+    learner's). `value`: the exact (token, exit) log-probs if known (iteration 1: the
+    sampler's records), else the replay's."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
@@ -1051,11 +1005,9 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
-) -> torch.Tensor:
-    """rewards (B,), groups of G contiguous -> advantages (B,) float32: r - mean(group), divided by the
-    group's ("group") or the batch's ("batch") unbiased std + eps, as TRL, or not ("none", Dr. GRPO)."""
+def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
+    """rewards (B,), groups of G in a row -> advantages (B,) float32: r - mean(group), over
+    the group's ("group") or batch's ("batch") std + eps, as TRL, or not ("none", Dr. GRPO)."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -1078,15 +1030,15 @@ class GRPOConfig:
     loss_agg: str = "token_mean"
     mu: int = 1  # inner iterations per batch of rollouts
     adv_eps: float = 1e-4
-    check_replay: bool = True  # replay iteration 1 too; refuse any bit that differs
-    drop_tied: bool = False  # the loss leaves out groups whose rewards all tie (§6)
-    micro_batch: int = 0  # sequences a backward, gradients summed; 0: the whole step
+    check_replay: bool = True  # replay iteration 1 too; refuse a differing bit
+    drop_tied: bool = False  # leave out groups whose rewards all tie (§6)
+    micro_batch: int = 0  # sequences a backward (0: all), gradients summed
     grad_checkpoint: bool = False  # teacher forcing recomputed in backward
 
 
-def loss_count(mask: torch.Tensor, loss_agg: str, all_reduce: Callable | None = None):
-    """The loss's denominator over `mask`'s rows: tokens (token_mean), sequences (seq_mean_token_mean)
-    or rows x N (dr_grpo); with `all_reduce` (data parallel), over every process. At least 1."""
+def loss_count(mask: Tensor, loss_agg: str, all_reduce: Callable | None = None):
+    """The loss's denominator, >= 1: tokens (token_mean), sequences (seq_mean_token_mean) or
+    rows x N (dr_grpo) of `mask`; with `all_reduce` (data parallel), of every process."""
     agg = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}
     count = agg[loss_agg]
     if all_reduce is not None:
@@ -1095,23 +1047,16 @@ def loss_count(mask: torch.Tensor, loss_agg: str, all_reduce: Callable | None = 
 
 
 def grpo_loss(
-    logp: torch.Tensor,
-    logp_old: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    grpo: GRPOConfig = GRPOConfig(),
-    *,
-    ref_logp: torch.Tensor | None = None,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    count=None,
-) -> tuple[torch.Tensor, dict]:
-    """The clipped GRPO surrogate. logp, logp_old (B, N); adv (B,); mask (B, N) bool -> (loss, stats).
-    Per token min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A), ratio = exp(logp - logp_old), less beta *
-    k3 KL to `ref_logp`; summed over masked tokens, divided by `count` (`loss_count`). logp_old is the
-    sampler's *recorded* log-prob, exact here: iteration 1's ratios are exactly 1.0."""
+    logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, grpo: GRPOConfig = GRPOConfig(),
+    *, ref_logp: Tensor | None = None, all_reduce: Callable | None = None, count=None,
+) -> tuple[Tensor, dict]:  # fmt: skip
+    """The clipped GRPO surrogate: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss,
+    stats). Per token min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), ratio =
+    exp(logp - logp_old), less beta k3 KL to `ref_logp`; summed, divided by `count`
+    (`loss_count`). logp_old is the sampler's record, exact: iteration 1's ratios are 1."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
-    a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1); the clip range
+    a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1)
     term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
     if grpo.beta > 0:
@@ -1132,32 +1077,28 @@ def grpo_loss(
 
 
 class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite (training keeps the last good checkpoint)."""
+    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
 
 
 class ReplayMismatchError(RuntimeError):
-    """The replay did not reproduce the sampler's log-probs bit for bit (the step refuses)."""
-
-
-# GRPO's guard and its audit of iteration 1, one line each in `grpo_update`.
+    """The replay is not the sampler's log-probs bit for bit (the step refuses)."""
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
-    """NonFiniteError naming what stopped being finite, and the parameters that are not."""
+    """NonFiniteError naming what, and the parameters, stopped being finite."""
     if not bool(ok):
         bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
-def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: torch.Tensor, mask) -> dict:
-    """Replay and compare with the sampler bit for bit, tokens' and exits' log-probs (logp_old: joint)."""
-    tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N) each, on the host as the records
-    mask = mask.cpu()
-    mismatched = int(((tok != ro.logprobs) & mask).sum())
-    mismatched_exits = int(((ext != ro.exit_logprobs) & mask).sum())
+def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask) -> dict:
+    """The replay against the sampler, bit for bit: tokens' and exits' log-probs."""
+    tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N), on the host
+    mask, sampled = mask.cpu(), ro.policy.exit_policy == "sampled"
+    pairs = ((tok, ro.logprobs), (ext, ro.exit_logprobs))
+    mismatched, mismatched_exits = (int(((a != b) & mask).sum()) for a, b in pairs)
     metrics = {"exact/mismatched_tokens": mismatched}
-    if ro.policy.exit_policy == "sampled":
-        metrics["exact/mismatched_exit_logprobs"] = mismatched_exits
+    metrics |= {"exact/mismatched_exit_logprobs": mismatched_exits} if sampled else {}
     replay = joint_logprobs(ro, tok, ext)  # (B, N)
     metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old.cpu()).abs() * mask).max())
     if mismatched or mismatched_exits:
@@ -1169,8 +1110,8 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: torch.Tensor,
 
 
 def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, logp_old, numerics: str):
-    """The learner's and teacher forcing's joint log-probs of the rows `piece`, (b, N) each: the `live`
-    ones from `learner_logprobs`, the others logp_old (their advantage is 0: they add exactly 0)."""
+    """The learner's and teacher forcing's joint log-probs (b, N) of the rows `piece`: the
+    `live` ones' from `learner_logprobs`, the others' logp_old (advantage 0: they add 0)."""
     forced = [j for j, b in enumerate(piece) if b in set(live)]
     picked, rows = [piece[j] for j in forced], torch.tensor(forced, device=model.device)
     lp = learner_logprobs(model, ro.select(picked), numerics, tuple(v[picked] for v in value))
@@ -1178,7 +1119,7 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
 
 
 def _pooled(stats: list[dict], tokens: list[float]) -> dict:
-    """Micro-batches' `grpo_loss` stats pooled: token-weighted means, extremes of extremes."""
+    """Micro-batches' `grpo_loss` stats: token-weighted means, extremes of extremes."""
     if len(stats) == 1:
         return stats[0]
     mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(sum(tokens), 1)  # noqa: E731
@@ -1187,35 +1128,29 @@ def _pooled(stats: list[dict], tokens: list[float]) -> dict:
 
 
 def grpo_update(
-    model: LoopedLM,
-    opt: torch.optim.Optimizer,
-    ro: Rollout,
-    rewards: torch.Tensor,
-    grpo: GRPOConfig,
-    numerics: str = "fast",
-    ref_model: LoopedLM | None = None,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> dict:
-    """mu GRPO iterations on one batch of rollouts; metrics in TRL/verl names. Log-probs: `learner_logprobs`
-    (sampled exits: joint). Iteration 1's value is the sampler's record (`check_replay`: the replay must match
-    it bit for bit), later ones the replay's. `grpo.micro_batch` sequences a backward, the whole step's
-    `loss_count`, gradients summed; `all_reduce` (data parallel) sums across processes."""
+    model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: Tensor, grpo: GRPOConfig,
+    numerics: str = "fast", ref_model: LoopedLM | None = None, all_reduce: Callable | None = None,
+) -> dict:  # fmt: skip
+    """mu GRPO iterations on one rollout; metrics in TRL/verl names. Log-probs: `learner_logprobs`.
+    Iteration 1's value is the sampler's record (`check_replay`: the replay must match it bit for
+    bit), later ones the replay's. `grpo.micro_batch` sequences a backward, gradients summed."""
     mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
     _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
-    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)  # (B,)
-    # NOTE: an advantage of 0 adds exactly 0 (its tokens still count): forced only for the KL
-    kept = torch.ones_like(adv, dtype=torch.bool)  # (B,)
-    if grpo.drop_tied:  # DAPO's filter, no refill: tied groups leave the loss and its count
-        kept = (adv != 0).view(-1, grpo.group_size).any(1).repeat_interleave(grpo.group_size)
-    live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist()  # rows to teacher-force
-    live = live or [0]  # none: one row all the same, so that backward has a graph
+    adv = group_advantages(rewards, grpo.group_size, grpo.scale_rewards, grpo.adv_eps).to(model.device)
+    # kept (B,): the rows in the loss and its count (drop_tied: DAPO's filter, no refill)
+    kept = (adv != 0).view(-1, grpo.group_size).any(1, keepdim=True).expand(-1, grpo.group_size).reshape(-1)
+    kept = kept if grpo.drop_tied else torch.ones_like(kept)
+    # live: the rows to teacher-force. NOTE: advantage 0 adds exactly 0 (its tokens still
+    # count): forced only for the KL. None: row 0, so that backward has a graph.
+    live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist() or [0]
+    # pieces: micro-batches of live rows; the whole step: one piece of every row
     size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
     count = loss_count(mask[kept], grpo.loss_agg, all_reduce)  # the whole step's denominator
     model.grad_checkpoint = grpo.grad_checkpoint
-    refs = [None] * len(pieces)  # the KL reference's log-probs, per micro-batch
+    refs = [None] * len(pieces)  # the KL reference's, per micro-batch
     for i, piece in enumerate(pieces if grpo.beta > 0 else []):
         with torch.no_grad():
             refs[i] = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(piece), numerics, True))
@@ -1225,10 +1160,10 @@ def grpo_update(
         value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact
         opt.zero_grad(set_to_none=True)
         losses, stats, tokens, naive = [], [], [], 0.0
-        for i, piece in enumerate(pieces):  # a micro-batch: its live rows are teacher-forced
-            logp, tf = micro_batch_logprobs(model, ro, piece, live, value, logp_old, numerics)  # (b, N) each
+        for i, piece in enumerate(pieces):  # a micro-batch
+            logp, tf = micro_batch_logprobs(model, ro, piece, live, value, logp_old, numerics)
             old, m, k = logp_old[piece], mask[piece], kept[piece]  # (b, N), (b, N), (b,)
-            # NOTE: -inf passes: a later iteration's top-k/top-p may drop a sampled token (ratio 0)
+            # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token (ratio 0)
             _finite_or_stop((logp.detach() < math.inf)[m].all(), f"learner log-probs, iteration {it + 1}", model)
             naive = max(naive, float(((tf.detach() - old).abs() * m).max()))
             ref_k = None if refs[i] is None else refs[i][k]
@@ -1238,8 +1173,9 @@ def grpo_update(
             losses.append(loss.item())
             stats.append(s)
             tokens.append(float(m[k].sum()))
-        if it == 0:  # the audit: iteration 1's value is the replay's, or it refuses
-            metrics.update(_audit_first_iteration(model, ro, logp_old, mask) if grpo.check_replay else {})
+        if it == 0 and grpo.check_replay:  # audit: the replay is the record, or it raises
+            metrics.update(_audit_first_iteration(model, ro, logp_old, mask))
+        if it == 0:
             metrics["sampling/naive_logp_difference/max"] = naive
         if all_reduce is not None:  # data parallel: sum the gradients
             for param in model.parameters():
@@ -1251,8 +1187,8 @@ def grpo_update(
         # ---- the GRPO iteration: END (below: metrics only) ----
         stats = _pooled(stats, tokens)
         clip_ratios.append(stats["clip_ratio"])
-        if it == 0:  # iteration 1's ratios: exactly 1.0 by construction
-            metrics.update(stats, loss=sum(losses[1:], losses[0]), grad_norm=float(grad_norm))
+        if it == 0:  # iteration 1's ratios: exactly 1.0
+            metrics.update(stats, loss=sum(losses), grad_norm=float(grad_norm))
     metrics["clip_ratio"] = sum(clip_ratios) / len(clip_ratios)  # over the mu iterations, as TRL
     return metrics
 
@@ -1262,6 +1198,29 @@ def grpo_update(
 # all. Everything below is tooling (config files and HF checkpoints, tokenizers, data and rewards, the warm
 # start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it.
 # ===================================================================================================
+
+# --- The "hf" exit rule: Hugging Face modeling_ouro.py's arithmetic (Contract §3), to check engines that use it ---
+
+
+def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
+    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
+    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p).
+    Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
+    lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
+    remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
+    wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
+    total = torch.zeros_like(remaining, dtype=wide)
+    cdf = [lam[..., :0]]
+    for i in range(lam.shape[-1]):  # loop i + 1; the last takes the rest
+        total = total + (lam[..., i] * remaining if i < R - 1 else remaining)
+        remaining = remaining * (1.0 - lam[..., i])
+        cdf.append(total.to(lam.dtype)[..., None])
+    return torch.cat(cdf, dim=-1)
+
+
+EXIT_CDFS["hf"] = _hf_cdf
+EXIT_RULES = tuple(EXIT_CDFS)  # "survival", "hf"
+
 
 # --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
 
@@ -1569,7 +1528,7 @@ def _stored_tensors(file: Path) -> dict[str, _StoredTensor]:
     return out
 
 
-def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]):
+def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, Tensor]):
     """Yield (name, tensor) per stored tensor, read in file order into `into[name]` if given, else a new CPU tensor."""
     for file in dict.fromkeys(t.file for t in stored.values()):
         with open(file, "rb") as fh:  # NOTE: not a memory map, whose pages count as resident
@@ -1586,7 +1545,7 @@ def _read_stored(stored: dict[str, _StoredTensor], into: dict[str, torch.Tensor]
                 yield name, out
 
 
-def _all_finite(x: torch.Tensor) -> bool:
+def _all_finite(x: Tensor) -> bool:
     """torch.isfinite(x).all(), fast: the sum first (~100x faster on a CPU), elementwise only if it is not finite."""
     return bool(torch.isfinite(x.sum())) or all(bool(torch.isfinite(s).all()) for s in x.reshape(-1).split(2**24))
 
@@ -1632,7 +1591,7 @@ def load_checkpoint(
     bad_names = missing or unexpected or misshapen
     model = None if bad_names else empty_model(cfg, dtype, device)
     params = model.state_dict() if model else {}  # these share memory with the parameters
-    users: dict[str, list[torch.Tensor]] = {}  # stored tensor -> the parameters it fills
+    users: dict[str, list[Tensor]] = {}  # stored tensor -> the parameters it fills
     for k, s in source.items():
         users.setdefault(s, []).extend([params[k]] if params else [])
     # read straight into the parameter where it has the stored dtype and lies on the CPU
@@ -1892,11 +1851,11 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
 
 @dataclass
 class LoopOutputs:
-    logits: torch.Tensor  # (R, B, T, V) readout of every loop, in the model dtype
-    gate_logits: torch.Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
+    logits: Tensor  # (R, B, T, V) readout of every loop, in the model dtype
+    gate_logits: Tensor  # (R, B, T) exit-gate logits of every loop, in the model dtype
 
 
-def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> LoopOutputs:
+def loop_outputs(model: LoopedLM, idx: Tensor, numerics: str = "fast") -> LoopOutputs:
     """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
     rows = Rows.of(
@@ -1914,7 +1873,7 @@ def loop_outputs(model: LoopedLM, idx: torch.Tensor, numerics: str = "fast") -> 
     return LoopOutputs(torch.stack(logits), torch.stack(gates))
 
 
-def ouro_loss(out: LoopOutputs, targets: torch.Tensor, mask: torch.Tensor, beta: float = 0.05) -> torch.Tensor:
+def ouro_loss(out: LoopOutputs, targets: Tensor, mask: Tensor, beta: float = 0.05) -> Tensor:
     """Ouro's objective sum_r p(r|x) * CE_r - beta * H(p(.|x)) over masked tokens (the entropy spreads the exits)."""
     lam = torch.sigmoid(out.gate_logits.float())  # (R, B, T)
     survive = torch.cumprod(torch.cat([torch.ones_like(lam[:1]), 1 - lam[:-1]]), dim=0)  # (R, B, T)
@@ -2298,7 +2257,7 @@ class TrainConfig:
         return GRPOConfig(**flag_fields(GRPOConfig, self))
 
 
-def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
+def rollout_records(ro: Rollout, raw: Tensor | None = None) -> list[dict]:
     """One JSON-ready record per sequence (README, Contract §8): log-probs of the distribution sampled, or `raw`."""
     sampling = {"temperature": ro.policy.temperature, "top_k": ro.policy.top_k, "top_p": ro.policy.top_p}
     sampling["logprob_mode"], logprobs = ("processed", ro.logprobs) if raw is None else ("raw", raw)
@@ -2311,15 +2270,13 @@ def rollout_records(ro: Rollout, raw: torch.Tensor | None = None) -> list[dict]:
     return records
 
 
-def raw_logprobs(model: LoopedLM, ro: Rollout) -> torch.Tensor:
+def raw_logprobs(model: LoopedLM, ro: Rollout) -> Tensor:
     """(B, N) the tokens' log-probs as vLLM's "raw_logprobs": of the plain logits, replayed (the very ones sampled)."""
     plain = dataclasses.replace(ro.policy, temperature=1.0, top_k=0, top_p=1.0)
     return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
 
 
-def export_rounded(
-    master: torch.Tensor, rule: str, gen: torch.Generator, residual: torch.Tensor | None
-) -> torch.Tensor:
+def export_rounded(master: Tensor, rule: str, gen: torch.Generator, residual: Tensor | None) -> Tensor:
     """A float32 master rounded to bfloat16 by `rule` (EXPORT_ROUNDINGS; nearest: ties to even)."""
     if rule == "error-feedback":  # master + `residual` to the nearest, the error kept in `residual`
         target = master + residual
@@ -2497,7 +2454,7 @@ def _distributed_setup(cfg: TrainConfig) -> dict:
         return {"rank": 0, "world": 1, "local_rank": 0, "all_reduce": None}
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
 
-    def all_reduce(t: torch.Tensor) -> torch.Tensor:  # the sum over the processes, in a copy
+    def all_reduce(t: Tensor) -> Tensor:  # the sum over the processes, in a copy
         torch.distributed.all_reduce(t := t.clone())
         return t
 
@@ -2674,20 +2631,18 @@ def schedule_grid(schedule: Schedule, seq: int | list[int] = 0) -> str:
     return "\n".join("   ".join(line.ljust(width) for line in row).rstrip() for row in rows)
 
 
-def exit_loop(
-    gate_logits: torch.Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival"
-) -> int | None:
+def exit_loop(gate_logits: Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival") -> int | None:
     """`exit_loops` for one position: its first j <= R loops' gate logits (j,) -> its exit loop (None: undecided)."""
     return int(exit_loops(gate_logits[None], R, tau, min_loops, rule)[0]) or None
 
 
-def exit_cdf(gate_logits: torch.Tensor, R: int, rule: str = "survival") -> list[float]:
+def exit_cdf(gate_logits: Tensor, R: int, rule: str = "survival") -> list[float]:
     """One position's exit CDF after each of its first j <= R loops, by the rule: (j,) gates -> j floats."""
-    cdf = _survival_cdf(gate_logits, R) if rule == "survival" else _hf_cdf(gate_logits, R)
+    cdf = EXIT_CDFS[rule](gate_logits, R)
     return [float(c) for c in cdf]  # NOTE: the "hf" CDF's last value need not be exactly 1
 
 
-def exit_margin(gate_logits: torch.Tensor, R: int, tau: float, rule: str = "survival") -> torch.Tensor:
+def exit_margin(gate_logits: Tensor, R: int, tau: float, rule: str = "survival") -> Tensor:
     """CDF_r - tau for r = 1..R, in float64: how far each loop was from exiting (>= 0: it exits, past min_loops)."""
     cdf = torch.tensor(exit_cdf(gate_logits, R, rule), dtype=torch.float64)  # (R,)
     # "hf" compares a model-dtype tensor with a Python float: torch first rounds tau to the gates' dtype
@@ -2700,7 +2655,7 @@ class LastExitedKV(ExactKV):
 
     prefill_all_loops = True  # such engines prefill every loop of the prompt, as the dense mode does
 
-    def after_readout(self, cache: LoopCache, call: Call, prompt_end: torch.Tensor) -> None:
+    def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
         """The generated positions read out stop for good, their K/V copied to every deeper loop (depth R: done)."""
         seq, pos, e = torch.tensor(call.readout, device=cache.h.device).T  # (n_out,) each
         slot = torch.tensor([cache.slot_of[b] for b, _, _ in call.readout], device=cache.h.device)  # (n_out,)
@@ -2807,7 +2762,7 @@ def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> 
     (B, N) float64 log-probs padded with 0, no schedule; records with "exit_logprobs" make its exits sampled."""
     n = [len(r["completion_ids"]) for r in recs]
 
-    def padded(key: str) -> torch.Tensor:  # (B, N) float64
+    def padded(key: str) -> Tensor:  # (B, N) float64
         rows = [torch.tensor(r.get(key, [0.0] * k), dtype=torch.float64) for r, k in zip(recs, n)]
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
@@ -2820,9 +2775,7 @@ def records_rollout(recs: list[dict], opts: VerifyOptions = VerifyOptions()) -> 
     return Rollout(prompts, completions, exits, lp, mask, schedule=None, policy=policy, exit_logprobs=exit_lp)
 
 
-def _check_reference_finite(
-    model: LoopedLM, rec: dict, kv: str, lp: torch.Tensor, gates: torch.Tensor, ran: torch.Tensor
-) -> None:
+def _check_reference_finite(model: LoopedLM, rec: dict, kv: str, lp: Tensor, gates: Tensor, ran: Tensor) -> None:
     """Refuse a reference that is not a number (|NaN - x| > atol is False: NaN would pass): ValueError when the record's
     temperature caused it (finite at temperature 1), else NonFiniteError. lp, gates, ran: as from `_teacher_force`."""
     run = torch.arange(gates.shape[1])[None, :] < ran[:, None]  # (n, R)
@@ -2854,7 +2807,7 @@ def sampler_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
-def randomized_pit(logp: torch.Tensor, tokens: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def randomized_pit(logp: Tensor, tokens: Tensor, uniforms: Tensor) -> Tensor:
     """The randomized probability integral transform of drawn tokens under a policy: logp (k, V), tokens (k,),
     uniforms (k,) -> (k,) float64 u = F(before) + U * p(token), the vocabulary ordered by probability, highest first
     (ties by id). For draws from this policy u ~ U(0, 1) exactly; the order makes common faults visible: a lower
@@ -2890,7 +2843,7 @@ def ks_uniform(values) -> tuple[float, float]:
     return d, kolmogorov_sf((math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d)
 
 
-def rank_test(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+def rank_test(x: Tensor, y: Tensor) -> tuple[float, float]:
     """One-sided Mann-Whitney U test that x (n1,) tends to be larger than y (n2,): (z, p-value), U's normal
     approximation with the correction for ties and for continuity (within 0.02 of the exact p at 8 a side)."""
     n1, n2, n = x.numel(), y.numel(), x.numel() + y.numel()
@@ -2920,23 +2873,23 @@ class Failures:
 class VerifyResult:
     """One record checked against the reference (`verify_records`); tensors (n,) float64, n its completion's length."""
 
-    logprobs: torch.Tensor  # the reference's log-probs, recomputed teacher-forced
-    delta: torch.Tensor  # recorded - reference
+    logprobs: Tensor  # the reference's log-probs, recomputed teacher-forced
+    delta: Tensor  # recorded - reference
     violations: list[dict] = field(default_factory=list)  # every exit-rule disagreement (`_violations`)
     rule_exits: list[int | None] = field(default_factory=list)  # per token (None: undecided by the loops run)
-    pit: torch.Tensor | None = None  # the randomized PIT of each token (temperature > 0), else None
-    greedy_gap: torch.Tensor | None = None  # best log-prob - the token's (temperature 0), else None
-    exit_logprobs: torch.Tensor | None = None  # the reference's log p(exit = e) (sampled exits), else None
-    exit_delta: torch.Tensor | None = None  # recorded - reference exit log-probs (sampled exits), else None
+    pit: Tensor | None = None  # the randomized PIT of each token (temperature > 0), else None
+    greedy_gap: Tensor | None = None  # best log-prob - the token's (temperature 0), else None
+    exit_logprobs: Tensor | None = None  # the reference's log p(exit = e) (sampled exits), else None
+    exit_delta: Tensor | None = None  # recorded - reference exit log-probs (sampled exits), else None
     after_stop: list[int] = field(default_factory=list)  # tokens after a stop id (the record's "stop_ids")
-    gates: torch.Tensor | None = None  # (n, R) the reference's gate logit of each loop, model dtype (NaN: not run)
+    gates: Tensor | None = None  # (n, R) the reference's gate logit of each loop, model dtype (NaN: not run)
 
     @property
-    def diff(self) -> torch.Tensor:
+    def diff(self) -> Tensor:
         return self.delta.abs()
 
     @property
-    def exit_diff(self) -> torch.Tensor | None:
+    def exit_diff(self) -> Tensor | None:
         return None if self.exit_delta is None else self.exit_delta.abs()
 
     @classmethod
@@ -2960,7 +2913,7 @@ class VerifyResult:
     def failures(self, atol: float, flip_margin: float) -> Failures:
         """The tokens that fail `verify` at these tolerances."""
 
-        def over(x: torch.Tensor | None, tol: float) -> list[int]:  # NOTE: ~(x <= tol), so that NaN fails
+        def over(x: Tensor | None, tol: float) -> list[int]:  # NOTE: ~(x <= tol), so that NaN fails
             return [] if x is None else (~(x <= tol)).nonzero()[:, 0].tolist()
 
         return Failures(
@@ -2973,7 +2926,7 @@ class VerifyResult:
         )
 
 
-def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, raw: bool) -> tuple[torch.Tensor, ...]:
+def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: Tensor | None, raw: bool) -> tuple[Tensor, ...]:
     """One teacher-forced pass of records' rollout `ro` -> lp, exit_lp (B, N) float64 (`raw`: of the plain logits);
     gates (B, N, R) the gate logit of every loop run (NaN: not run); ran (B, N) the loops run (R, but last_exited);
     policy (B, N) float64: the PIT with `uniforms` (temperature > 0) or the greedy gap (NaN when uniforms is None)."""
@@ -2987,20 +2940,20 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
     if raw:
         ro = dataclasses.replace(ro, policy=dataclasses.replace(sampled, temperature=1.0, top_k=0, top_p=1.0))
 
-    def token_index(rows: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_index(rows: list[tuple[int, int, int]]) -> tuple[Tensor, Tensor]:
         b, p, _ = torch.tensor(rows, dtype=torch.long).reshape(-1, 3).T  # (n,) each: rows' sequences and positions
         return b, p - first[b]  # and the completion token each position produces
 
-    undecided = torch.where(ro.mask, R + 1, 0)  # (B, N) every producing row decides: the rule runs at every loop
+    undecided = torch.zeros(B, N, dtype=torch.long)  # (B, N) every producing row decides: the rule at every loop
 
-    def collect_gates(call: Call, h: torch.Tensor) -> None:
+    def collect_gates(call: Call, h: Tensor) -> None:
         b, p, r = torch.tensor(call.rows, dtype=torch.long).T  # (n,) each
-        if (i := deciding(r, b, p, first, undecided).nonzero()[:, 0]).numel():
+        if (i := decides_exit(r, b, p, first, undecided).nonzero()[:, 0]).numel():
             b, k = token_index([call.rows[j] for j in i.tolist()])
             gates[b, k, r[i] - 1] = model.gate_logits(h[i.to(h.device)]).cpu()
             ran[b, k] = r[i]
 
-    def score_policy(call: Call, logp: torch.Tensor) -> None:  # logp (k, V), the readout rows' policy
+    def score_policy(call: Call, logp: Tensor) -> None:  # logp (k, V), the readout rows' policy
         b, k = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
         logp = policy_logprobs(logp, sampled) if raw else logp  # (k, V) shift-invariant: as from the logits
@@ -3016,7 +2969,7 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: torch.Tensor | None, 
     return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
-def _violations(rec: dict, rule_gates: torch.Tensor, ran: torch.Tensor, rule_exits: list, opts: VerifyOptions):
+def _violations(rec: dict, rule_gates: Tensor, ran: Tensor, rule_exits: list, opts: VerifyOptions):
     """A record's exit loops against the rule's: {"token", "recorded", "rule", "margin"} per disagreement, margin =
     CDF - threshold where the two part (tiny: a near-threshold flip; large: a wrong depth; None: no threshold does)."""
     R, tau, min_loops, sampled_exits = rule_gates.shape[1], opts.threshold, opts.min_loops, "exit_logprobs" in rec
@@ -3043,7 +2996,7 @@ def _batches(recs: list[dict], size: int) -> list[list[int]]:
     return [idx[c : c + size] for idx in groups.values() for c in range(0, len(idx), size)]
 
 
-def _rule_exits(gates: torch.Tensor, ran: torch.Tensor, opts: VerifyOptions) -> torch.Tensor:
+def _rule_exits(gates: Tensor, ran: Tensor, opts: VerifyOptions) -> Tensor:
     """The exit rule at k positions: gates (k, R) of which the first ran (k,) loops were run -> exits (k,), -1: none."""
     out = torch.full(ran.shape, -1, dtype=torch.long)
     for j in sorted(set(ran.tolist())):
@@ -3115,7 +3068,7 @@ class Calibration:
 
     dtype: torch.dtype
     layouts: list[int]  # sequences per teacher-forced pass, one entry per layout
-    diffs: list[torch.Tensor]  # per layout (all tokens,) float64 |calibration - reference| log-prob, in file order
+    diffs: list[Tensor]  # per layout (all tokens,) float64 |calibration - reference| log-prob, in file order
     max_exit_diff: float  # the largest |calibration - reference| exit log-prob (sampled exits; else 0)
     max_cdf_diff: float  # the largest |calibration - reference| exit CDF, before loop R (rule's dtype, `_violations`)
     flips: int  # its own exits other than the rule's on the reference's gates (threshold records; first layout)
@@ -3127,7 +3080,7 @@ class Calibration:
         margin = FLIP_FACTOR * max(eps, self.max_cdf_diff) if flip_margin is None else flip_margin
         return dataclasses.replace(opts, atol=atol, flip_margin=margin)
 
-    def rank_tests(self, diff: torch.Tensor, exits: torch.Tensor) -> dict[str, dict]:
+    def rank_tests(self, diff: Tensor, exits: Tensor) -> dict[str, dict]:
         """`rank_test` of the engine's |delta| against NOISE_ROOM times each layout's, over all tokens and per exit loop
         (exits) with 10 tokens or more: the layouts' largest p times the number of tests (Bonferroni)."""
         groups, tests = {"all": exits > 0} | {str(r): exits == r for r in exits.unique().tolist()}, {}
@@ -3151,7 +3104,7 @@ def measure_calibration(model: LoopedLM, recs: list[dict], results: list[VerifyR
     cal.load_state_dict(model.state_dict())  # each weight cast as it is copied
     layouts = sorted({opts.batch_size, max(1, opts.batch_size // 2)}, reverse=True)
     opts = dataclasses.replace(opts, threshold=model.config.early_exit_threshold) if opts.threshold is None else opts
-    cdf = _survival_cdf if opts.exit_rule == "survival" else _hf_cdf
+    cdf = EXIT_CDFS[opts.exit_rule]
     diffs, exit_diff, cdf_diff, flips = [], 0.0, 0.0, 0
     for layout, size in enumerate(layouts):
         diff = [torch.zeros(0, dtype=torch.float64)] * len(recs)  # per record (n,)
@@ -3182,7 +3135,7 @@ def _first_mismatch(records: list[dict], results: list[VerifyResult], fails: lis
     return None
 
 
-def _abs_quantiles(diff: torch.Tensor) -> dict | None:
+def _abs_quantiles(diff: Tensor) -> dict | None:
     """p50, p90, p99 and the max of |differences| (all tokens,); None without tokens."""
     if not diff.numel():
         return None
@@ -3461,7 +3414,7 @@ class CallGraphs:
         self.caches: dict[int, tuple[list, list]] = {}  # S -> (k, v), grown to the longest T asked
         self.pool, self.captures, self.capture_seconds = None, 0, 0.0
 
-    def kv_buffers(self, S: int, T: int, new: Callable[[], list[torch.Tensor]]) -> tuple[list, list]:
+    def kv_buffers(self, S: int, T: int, new: Callable[[], list[Tensor]]) -> tuple[list, list]:
         """The kept K/V of S slots, T positions at least (a longer one replaces it, and its graphs go)."""
         if S not in self.caches or self.caches[S][0][0].shape[2] < T:
             self.caches.pop(S, None)
@@ -3469,7 +3422,7 @@ class CallGraphs:
             self.caches[S] = (new(), new())
         return self.caches[S]
 
-    def __call__(self, x: torch.Tensor, rows: Rows, k: list, v: list, numerics: str) -> torch.Tensor:
+    def __call__(self, x: Tensor, rows: Rows, k: list, v: list, numerics: str) -> Tensor:
         eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
         if eager or all(kept is not k for kept, _ in self.caches.values()):  # not a kept cache: eager
             return self.model.loop(x, rows, k, v, numerics)
