@@ -231,16 +231,16 @@ class Rows:
     pos: Tensor
     loop: Tensor
     slot: Tensor
-    line_slot: Tensor  # (lines,) a line's slot, loop, last position
+    line_slot: Tensor  # (lines,) its slot, loop, last position
     line_loop: Tensor
     line_last: Tensor
-    kv: Tensor  # (n + pad,) the line each model row writes
+    kv: Tensor  # (n + pad,) the line a model row writes
     kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
     unorder: Tensor  # (n + pad,) the grids' rows back in order
     in_order: bool  # one grid in order: no `unorder`
     grids: list[Grid]
     pad: int
-    flat: Tensor  # the model's inputs: kv ... grids are views of it
+    flat: Tensor  # the model's inputs (kv ... grids: views)
     alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
 
     @classmethod
@@ -278,7 +278,7 @@ class Rows:
         rest = tensors[len(model_in) :]  # per row, then per line
         return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
 
-    def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`), packed once
+    def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
         if (i.start, i.stop) not in self.alone:
             self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
         return self.alone[i.start, i.stop]
@@ -320,7 +320,7 @@ class Attention(nn.Module):
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        if Tq == 1:  # one row a line, in order: the rows are the grid
+        if Tq == 1:  # one row a line: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
             qp = q.new_zeros(Bc, Tq, H, D)
@@ -596,12 +596,13 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 class ExactKV:
     """The method's KV policy (Contract §4): every K/V attended to is exact.
-    Others override its hooks (`LastExitedKV`, below the banner)."""
+    Its hooks are for other engines' policies, to check them (`LastExitedKV`,
+    below the banner: not the method)."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
     def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
-        """After a call's readout sampled; prompt_end (B,): prompts' last positions."""
+        """After a call's readout (a KV-copy policy copies K/V; the exact: nothing)."""
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
         """Does teacher forcing run loop r of position p (exit e)? Yes."""
@@ -621,7 +622,7 @@ class Policy:
     """What a rollout samples and how, checked once. `mode` and `numerics` change
     the work and bits, never the distribution (Contract §4); the rest define it."""
 
-    mode: str = "deferred"  # MODES: "dense" runs all R loops; "deferred" waits
+    mode: str = "deferred"  # MODES: "dense" runs all R loops at once
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
     exit_threshold: float | None = None  # tau; None: the config's (whose None: exit at R)
@@ -735,7 +736,7 @@ class Rollout:
     mask: Tensor  # (B, N) bool
     schedule: Schedule | None  # None for records read from a file
     policy: Policy  # the sampler's (the schedule's own)
-    exit_logprobs: Tensor  # (B, N) log p(exit = e); 0: "threshold"
+    exit_logprobs: Tensor  # (B, N) log p(exit = e)
 
     def tokens(self, device=None) -> Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -758,7 +759,7 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
     for r in range(1, R + 1):
-        rows = []  # the leaders' prompts but the last position
+        rows = []  # the leaders' prompts but their ends
         for a in sorted({a for _, a in share}):
             rows += [(a, p, r) for p in range(len(prompts[a]) - 1)]
         calls.append(Call(rows, share=share if r == R else []))
@@ -780,8 +781,9 @@ def rollout(
     (deferred) or once the newest has run all R loops (dense). Drawn: README,
     "Dense and deferred, drawn" (`schedule_grid`). NOTE: riding along is safe:
     loop r of a position reads only its own loop r-1 output and earlier
-    positions' loop-r K/V, brought up to r no later than now. Same draws as
-    dense: Derivations (rollout)."""
+    positions' loop-r K/V, brought up to r no later than now; so by induction
+    each (position, loop) is the same function of the tokens, whichever call
+    computes it. Same draws as dense: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -812,7 +814,7 @@ def rollout(
         # 1) Free slots take the next sequences (`execute_call` seats them).
         enter = [(waiting.pop(), s) for s in range(cache.S) if s not in seat and waiting]
         seat |= {s: b for b, s in enter}
-        leader = {}  # a group seated together computes its prompt once
+        leader = {}  # a group seated at once: its prompt once
         for b, _ in enter:
             a = leader.setdefault(tuple(prompts[b]), b)
             if a != b and ends[b] > 0:
@@ -900,7 +902,7 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: 1 + the largest slot seated
+    slots = 0  # the rollout's S: its largest slot + 1
     for call in calls:
         slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
     cache = LoopCache.empty(model, slots, tokens.shape[1], numerics)
@@ -912,7 +914,7 @@ def execute_schedule(
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        if sampled:  # NOTE: the rollout's rows, in its order: its bits
+        if sampled:  # NOTE: the rollout's rows and order: its bits
             i_dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]
             if i_dec.numel():
                 b, r = rows.seq[i_dec], rows.loop[i_dec]  # (n_dec,) each
@@ -935,8 +937,8 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     """The rollout's own schedule again, without gradients: (B, N) log-probs, `ro.logprobs`
     bit for bit while the weights are unchanged; `with_exits`: (tokens', exits').
     NOTE: by induction: call i repeats the rollout's call i (rows, order, shapes, device)
-    on K/V that earlier calls wrote with the rollout's bits. All tokens exist from the start
-    and the cache may be longer: no matter, a row reads nothing past its own position."""
+    on K/V that earlier calls wrote with the rollout's bits. All tokens exist from the start,
+    the cache has another length: no matter, a row reads nothing past its own position."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     with torch.no_grad():
@@ -956,7 +958,7 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
             end = len(prompt) - 1  # the prompt's end reads out token 0
             for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
-                if kv.teacher_forced_runs(p, end, exits[p - end] if p > end else 0, r):
+                if kv.teacher_forced_runs(p, end, exits[p - end] if p >= end else 0, r):
                     rows.append((b, p, r))
             readout += [(b, end + i, r) for i, e in enumerate(exits) if e == r]
         calls.append(Call(rows, readout))
@@ -1118,11 +1120,12 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
     return tuple(logp_old[piece].index_put((rows,), x) for x in lp)
 
 
-def _pooled(stats: list[dict], tokens: list[float]) -> dict:
-    """Micro-batches' `grpo_loss` stats: token-weighted means, extremes of extremes."""
-    if len(stats) == 1:
+def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
+    """Micro-batches' `grpo_loss` stats: means weighted by tokens, over all `total` (a row
+    left out adds 0), and extremes of extremes."""
+    if tokens == [total]:  # the whole step
         return stats[0]
-    mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(sum(tokens), 1)  # noqa: E731
+    mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
     pooled = {key: mean(key) for key in ("kl", "clip_ratio") if key in stats[0]}
     return pooled | {"ratio_max": max(s["ratio_max"] for s in stats), "ratio_min": min(s["ratio_min"] for s in stats)}
 
@@ -1173,7 +1176,7 @@ def grpo_update(
             losses.append(loss.item())
             stats.append(s)
             tokens.append(float(m[k].sum()))
-        if it == 0 and grpo.check_replay:  # audit: the replay is the record, or it raises
+        if it == 0 and grpo.check_replay:  # audit (after backward: its cache, not activations)
             metrics.update(_audit_first_iteration(model, ro, logp_old, mask))
         if it == 0:
             metrics["sampling/naive_logp_difference/max"] = naive
@@ -1185,7 +1188,7 @@ def grpo_update(
         opt.step()
         _finite_or_stop(all(p.isfinite().all() for p in model.parameters()), "parameters after the step", model)
         # ---- the GRPO iteration: END (below: metrics only) ----
-        stats = _pooled(stats, tokens)
+        stats = _pooled(stats, tokens, float(mask[kept].sum()))
         clip_ratios.append(stats["clip_ratio"])
         if it == 0:  # iteration 1's ratios: exactly 1.0
             metrics.update(stats, loss=sum(losses), grad_norm=float(grad_norm))

@@ -2398,8 +2398,12 @@ def test_micro_batched_metrics_are_the_whole_steps(gc, mode, data):
     means weighted by its tokens (sequences end at different lengths, so plain means of the means differ).
     float64, invariant numerics: every term is the same in both and the weights after iteration 1 differ by
     rounding alone, but `grpo_loss` sums each metric in float32 over at most B x N = 30 tokens: rel 30 x 2^-24
-    < 2e-6. mu = 2 with a large SGD step, so iteration 2 clips."""
+    < 2e-6. mu = 2 with a large SGD step, so iteration 2 clips. A group whose rewards tie (advantage 0) is added:
+    with beta 0 micro-batches leave its rows out, while its tokens still count (a clip ratio over the live
+    micro-batches' tokens alone fails it); with beta 0.1 they run for the KL."""
     case, G, rewards = gc
+    case = dataclasses.replace(case, prompts=case.prompts + [[1, 2]] * G)  # the tied group
+    rewards, beta = torch.cat([rewards, torch.full((G,), 0.5)]), data.draw(st.sampled_from([0.0, 0.1]), label="beta")
     mb = data.draw(between(1, len(case.prompts) - 1), label="micro_batch")
     model = case.model(torch.float64)
     ro = _grpo_rollout(case, model, mode)
@@ -2408,11 +2412,11 @@ def test_micro_batched_metrics_are_the_whole_steps(gc, mode, data):
     metrics = {}
     for size in (0, mb):
         m = copy.deepcopy(model)
-        g = S.GRPOConfig(group_size=G, beta=0.1, mu=2, micro_batch=size, max_grad_norm=1e9)
+        g = S.GRPOConfig(group_size=G, beta=beta, mu=2, micro_batch=size, max_grad_norm=1e9)
         metrics[size] = S.grpo_update(
             m, torch.optim.SGD(m.parameters(), lr=3.0), ro, rewards, g, "invariant", reference
         )
-    for key in ("kl", "clip_ratio"):
+    for key in ("kl", "clip_ratio")[beta == 0 :]:
         a, b = metrics[0][key], metrics[mb][key]
         assert abs(a - b) <= 2e-6 * max(abs(a), 1e-12), f"{key}: whole step {a!r}, micro-batches of {mb} {b!r}"
 

@@ -116,7 +116,7 @@ def kernels_per_layer_call(model: S.LoopedLM, prompt: list[int], numerics: str) 
         events = prof.events()
         if model.device.type == "cuda":
             kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-            launches = sum(1 for e in events if e.name in ("cudaLaunchKernel", "cudaGraphLaunch", "cuLaunchKernel"))
+            launches = sum(1 for e in events if e.name.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch")))
         else:
             kernels = launches = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
         out.append((kernels if model.call_graphs is None else launches) / (len(ro.schedule.calls) * L))
