@@ -526,12 +526,12 @@ class LoopCache:
     @classmethod
     def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
         cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
-        R, KVH, D = cfg.total_ut_steps, cfg.num_key_value_heads, cfg.head_dim
-        new = lambda: [torch.zeros(R * S + 1, KVH, T, D, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # graphs hold its address
+        shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
+        new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
+        graphs = model.call_graphs if numerics == "static" else None  # a graph holds it
         k, v = graphs.kv_buffers(S, T, new) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, R)
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
         """For each (b, s): sequence b takes slot s, once; the slot starts empty
@@ -586,8 +586,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
     missing = (needed & (cache.depth[rows.line_slot] < rows.line_loop[:, None])).sum()
     if late + missing:  # one read back per call
         raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
-    loop = model.call_graphs or model.loop  # or its CUDA graph
-    h = loop(F.pad(x, (0, 0, 0, rows.pad)), rows, cache.k, cache.v, numerics)[: len(call.rows)]
+    x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
+    h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
     cache.h[slot, pos] = h
     if call.share:
         cache.copy_sequences(call.share)
@@ -622,7 +622,7 @@ class Policy:
     """What a rollout samples and how, checked once. `mode` and `numerics` change
     the work and bits, never the distribution (Contract §4); the rest define it."""
 
-    mode: str = "deferred"  # MODES: "dense" runs all R loops at once
+    mode: str = "deferred"  # MODES; "dense": a token runs R loops
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
     exit_threshold: float | None = None  # tau; None: the config's (whose None: exit at R)
@@ -736,7 +736,7 @@ class Rollout:
     mask: Tensor  # (B, N) bool
     schedule: Schedule | None  # None for records read from a file
     policy: Policy  # the sampler's (the schedule's own)
-    exit_logprobs: Tensor  # (B, N) log p(exit = e)
+    exit_logprobs: Tensor  # (B, N) log p(exit e); threshold: 0
 
     def tokens(self, device=None) -> Tensor:
         """(B, T) long: prompt + completion per sequence, right-padded with 0."""
@@ -902,7 +902,7 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: its largest slot + 1
+    slots = 0  # the rollout's S: top slot + 1
     for call in calls:
         slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
     cache = LoopCache.empty(model, slots, tokens.shape[1], numerics)
@@ -1223,6 +1223,79 @@ def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
 
 EXIT_CDFS["hf"] = _hf_cdf
 EXIT_RULES = tuple(EXIT_CDFS)  # "survival", "hf"
+
+
+# --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
+
+
+class CallGraphs:
+    """`LoopedLM.loop` of static calls (`Rows.static`), each call shape a CUDA graph: captured at its first call
+    (all L layers, rows of any loops), replayed after with the call's rows copied into its buffers in one copy (the
+    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits
+    (the suite checks it on a GPU). A graph holds the addresses of its cache's K/V, so the cache of S slots is kept
+    here and reused by every static rollout and replay (`LoopCache.empty`); stale K/V in it are never attended
+    (Contract §4's mask), only read under the mask by padding. Calls with gradients, other numerics or more than
+    `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same static
+    buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
+
+    def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048):
+        self.model, self.capture, self.max_rows = model, capture, max_rows
+        self.graphs: dict[tuple, tuple] = {}  # call shape -> (graph, x, flat, rows, out)
+        self.caches: dict[int, tuple[list, list]] = {}  # S -> (k, v), grown to the longest T asked
+        self.pool, self.captures, self.capture_seconds = None, 0, 0.0
+
+    def kv_buffers(self, S: int, T: int, new: Callable[[], list[Tensor]]) -> tuple[list, list]:
+        """The kept K/V of S slots, T positions at least (a longer one replaces it, and its graphs go)."""
+        if S not in self.caches or self.caches[S][0][0].shape[2] < T:
+            self.caches.pop(S, None)
+            self.graphs = {key: g for key, g in self.graphs.items() if key[0] != S}
+            self.caches[S] = (new(), new())
+        return self.caches[S]
+
+    def __call__(self, x: Tensor, rows: Rows, k: list, v: list, numerics: str) -> Tensor:
+        eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
+        if eager or all(kept is not k for kept, _ in self.caches.values()):  # not a kept cache: eager
+            return self.model.loop(x, rows, k, v, numerics)
+        shapes = tuple((g.rows.shape[0], *g.pos.shape, g.Tk) for g in rows.grids)
+        key = (rows.S, x.shape[0], rows.in_order, shapes)  # the layout of x and rows.flat
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(x, rows, k, v, numerics)
+        graph, xs, flat, srows, out = self.graphs[key]
+        xs.copy_(x)
+        flat.copy_(rows.flat)
+        if graph is None:
+            return self.model.loop(xs, srows, k, v, numerics)
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, x, rows: Rows, k: list, v: list, numerics: str) -> tuple:
+        """Static copies of the call's inputs, Rows as views of them; on CUDA the call captured as a graph."""
+        xs, flat = x.clone(), rows.flat.clone()
+        view = lambda t: flat.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731  t: a view of rows.flat
+        grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "line", "col", "kv", "pos")})
+                 for g in rows.grids]  # fmt: skip
+        tensors = {name: view(getattr(rows, name)) for name in ("kv", "kv_pos", "unorder")}
+        srows = dataclasses.replace(rows, **tensors, grids=grids, flat=flat, alone={})
+        if not self.capture:
+            return None, xs, flat, srows, None
+        start, stream = time.perf_counter(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: this very call, eagerly (the graph's replay redoes it)
+            self.model.loop(xs, srows, k, v, numerics)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for all: they never run at once
+            out = self.model.loop(xs, srows, k, v, numerics)
+        torch.cuda.synchronize()
+        self.pool, self.captures = graph.pool(), self.captures + 1
+        self.capture_seconds += time.perf_counter() - start
+        return graph, xs, flat, srows, out
+
+
+def use_cuda_graphs(model: LoopedLM, enabled: bool = True) -> LoopedLM:
+    """On CUDA (and `enabled`: not --no-cuda-graphs) the model's static calls run as `CallGraphs`; elsewhere eager."""
+    model.call_graphs = CallGraphs(model) if enabled and model.device.type == "cuda" else None
+    return model
 
 
 # --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
@@ -3396,79 +3469,6 @@ def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, t
         e = exit_loop(out.gate_logits[:, 0, -1], model.config.total_ut_steps, threshold)
         ids.append(int(out.logits[e - 1, 0, -1].argmax()))
     return ids[len(prompt) :]
-
-
-# --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
-
-
-class CallGraphs:
-    """`LoopedLM.loop` of static calls (`Rows.static`), each call shape a CUDA graph: captured at its first call
-    (all L layers, rows of any loops), replayed after with the call's rows copied into its buffers in one copy (the
-    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits
-    (the suite checks it on a GPU). A graph holds the addresses of its cache's K/V, so the cache of S slots is kept
-    here and reused by every static rollout and replay (`LoopCache.empty`); stale K/V in it are never attended
-    (Contract §4's mask), only read under the mask by padding. Calls with gradients, other numerics or more than
-    `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same static
-    buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
-
-    def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048):
-        self.model, self.capture, self.max_rows = model, capture, max_rows
-        self.graphs: dict[tuple, tuple] = {}  # call shape -> (graph, x, flat, rows, out)
-        self.caches: dict[int, tuple[list, list]] = {}  # S -> (k, v), grown to the longest T asked
-        self.pool, self.captures, self.capture_seconds = None, 0, 0.0
-
-    def kv_buffers(self, S: int, T: int, new: Callable[[], list[Tensor]]) -> tuple[list, list]:
-        """The kept K/V of S slots, T positions at least (a longer one replaces it, and its graphs go)."""
-        if S not in self.caches or self.caches[S][0][0].shape[2] < T:
-            self.caches.pop(S, None)
-            self.graphs = {key: g for key, g in self.graphs.items() if key[0] != S}
-            self.caches[S] = (new(), new())
-        return self.caches[S]
-
-    def __call__(self, x: Tensor, rows: Rows, k: list, v: list, numerics: str) -> Tensor:
-        eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
-        if eager or all(kept is not k for kept, _ in self.caches.values()):  # not a kept cache: eager
-            return self.model.loop(x, rows, k, v, numerics)
-        shapes = tuple((g.rows.shape[0], *g.pos.shape, g.Tk) for g in rows.grids)
-        key = (rows.S, x.shape[0], rows.in_order, shapes)  # the layout of x and rows.flat
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(x, rows, k, v, numerics)
-        graph, xs, flat, srows, out = self.graphs[key]
-        xs.copy_(x)
-        flat.copy_(rows.flat)
-        if graph is None:
-            return self.model.loop(xs, srows, k, v, numerics)
-        graph.replay()
-        return out.clone()
-
-    def _capture(self, x, rows: Rows, k: list, v: list, numerics: str) -> tuple:
-        """Static copies of the call's inputs, Rows as views of them; on CUDA the call captured as a graph."""
-        xs, flat = x.clone(), rows.flat.clone()
-        view = lambda t: flat.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731  t: a view of rows.flat
-        grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "line", "col", "kv", "pos")})
-                 for g in rows.grids]  # fmt: skip
-        tensors = {name: view(getattr(rows, name)) for name in ("kv", "kv_pos", "unorder")}
-        srows = dataclasses.replace(rows, **tensors, grids=grids, flat=flat, alone={})
-        if not self.capture:
-            return None, xs, flat, srows, None
-        start, stream = time.perf_counter(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: this very call, eagerly (the graph's replay redoes it)
-            self.model.loop(xs, srows, k, v, numerics)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for all: they never run at once
-            out = self.model.loop(xs, srows, k, v, numerics)
-        torch.cuda.synchronize()
-        self.pool, self.captures = graph.pool(), self.captures + 1
-        self.capture_seconds += time.perf_counter() - start
-        return graph, xs, flat, srows, out
-
-
-def use_cuda_graphs(model: LoopedLM, enabled: bool = True) -> LoopedLM:
-    """On CUDA (and `enabled`: not --no-cuda-graphs) the model's static calls run as `CallGraphs`; elsewhere eager."""
-    model.call_graphs = CallGraphs(model) if enabled and model.device.type == "cuda" else None
-    return model
 
 
 def _reset_peak_memory(device: torch.device) -> None:

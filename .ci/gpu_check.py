@@ -91,16 +91,6 @@ def set_mean_exit(model: S.LoopedLM, prompts: list[list[int]], target: float = 2
     return best[1], float(S.exit_loops(g + best[1], R, tau).float().mean())
 
 
-def timed(device: torch.device, fn):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
-
-
 def kernels_per_layer_call(model: S.LoopedLM, prompt: list[int], numerics: str) -> tuple[float, float]:
     """Device kernels (eager: CUDA graphs off) and host launches (graphs on) per layer call, from the profiler, over a
     short deferred rollout after its shapes are captured."""
@@ -170,7 +160,7 @@ def one_sequence(rep: Report, model: S.LoopedLM, prompt: list[int], new: int, de
     for _ in range(2):
         for mode in ("dense", "deferred"):
             runs.setdefault(mode, []).append(
-                timed(device, lambda: S.rollout(model, [prompt], S.Policy(mode, "static"), max_new_tokens=new))
+                S._timed(device, lambda: S.rollout(model, [prompt], S.Policy(mode, "static"), max_new_tokens=new))
             )
     tok = {m: int(r[0][1].mask.sum()) / statistics.median(dt for dt, _ in r) for m, r in runs.items()}
     calls = {m: len(r[0][1].schedule.calls) for m, r in runs.items()}
@@ -187,14 +177,14 @@ def many_sequences(rep: Report, model: S.LoopedLM, prompts: list, new: int, K: i
     replay's time and bits."""
     run = lambda mode: S.rollout(model, prompts, S.Policy(mode, "static"), max_new_tokens=new, max_num_seqs=K)  # noqa: E731
     run("deferred")  # captures
-    t_def, ro = timed(device, lambda: run("deferred"))
+    t_def, ro = S._timed(device, lambda: run("deferred"))
     tokens, dense = int(ro.mask.sum()), ""
     if t_def < 30:
-        t_dense, _ = timed(device, lambda: run("dense"))
+        t_dense, _ = S._timed(device, lambda: run("dense"))
         dense = f"; dense {tokens / t_dense:.0f} (deferred x{t_dense / t_def:.2f})"
     rep.row(f"deferred, {len(prompts)} sequences in {K} slots", f"{tokens / t_def:.0f} tok/s{dense}",
             ">= 5,000 tok/s", tokens / t_def >= 5000, deferred_tok_s_many=tokens / t_def)  # fmt: skip
-    t_replay, replay = timed(device, lambda: S.replay_logprobs(model, ro))
+    t_replay, replay = S._timed(device, lambda: S.replay_logprobs(model, ro))
     same = torch.equal(replay, ro.logprobs)
     rep.row("replay / rollout time (and bits)", f"{t_replay / t_def:.2f} (bitwise: {same})", "<= 1, bitwise",
             t_replay <= t_def and same, replay_over_rollout=t_replay / t_def, replay_bitwise=same)  # fmt: skip
@@ -215,8 +205,8 @@ def cache_vs_recompute(rep: Report, prompt: list[int], n: int, args, device) -> 
     toy = S.use_cuda_graphs(random_model(cfg, device), not args.no_cuda_graphs)
     p128, greedy = [t % cfg.vocab_size for t in prompt * 2][:128], S.Policy("dense", "static", temperature=0.0)
     S.rollout(toy, [p128], greedy, max_new_tokens=n)  # captures
-    t_cached, ro = timed(device, lambda: S.rollout(toy, [p128], greedy, max_new_tokens=n))
-    t_rec, ids = timed(device, lambda: S.recompute_rollout(toy, p128, n, cfg.early_exit_threshold))
+    t_cached, ro = S._timed(device, lambda: S.rollout(toy, [p128], greedy, max_new_tokens=n))
+    t_rec, ids = S._timed(device, lambda: S.recompute_rollout(toy, p128, n, cfg.early_exit_threshold))
     figure = f"x{t_rec / t_cached:.1f} (same tokens: {ids == ro.completions[0]})"
     rep.row(f"bench.json: KV cache vs recompute, 128 + {n}", figure, ">= 5x", t_rec >= 5 * t_cached,
             cache_speedup=t_rec / t_cached)  # fmt: skip
@@ -264,14 +254,14 @@ def grpo_step(rep: Report, model: S.LoopedLM, prompts, new_tokens: int, mb: int,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     policy = S.Policy("deferred", "static")
-    t_roll, ro = timed(device, lambda: S.rollout(model, prompts, policy, max_new_tokens=new_tokens, max_num_seqs=K))
-    t_audit, _ = timed(device, lambda: S.replay_logprobs(model, ro))
+    t_roll, ro = S._timed(device, lambda: S.rollout(model, prompts, policy, max_new_tokens=new_tokens, max_num_seqs=K))
+    t_audit, _ = S._timed(device, lambda: S.replay_logprobs(model, ro))
     rewards = torch.arange(B, dtype=torch.float32) % 2
     grpo_fb = dataclasses.replace(grpo, check_replay=False)
     t_opt = []
     step = opt.step
-    opt.step = lambda: t_opt.append(timed(device, step)[0])
-    t_update, _ = timed(device, lambda: S.grpo_update(model, opt, ro, rewards, grpo_fb, "static"))
+    opt.step = lambda: t_opt.append(S._timed(device, step)[0])
+    t_update, _ = S._timed(device, lambda: S.grpo_update(model, opt, ro, rewards, grpo_fb, "static"))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     with torch.no_grad():
         for n, p in model.named_parameters():
