@@ -47,12 +47,15 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: the commands' bits on busy cores; MKL reads it before torch is imported.
+# NOTE: busy cores. MKL_DYNAMIC: the same bits (MKL would drop threads); OMP_WAIT_POLICY: the same speed (an op's
+# threads sleep, not spin, while they wait for one another). Both read once, when torch is imported.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -161,6 +164,10 @@ def recomputed(fn: Callable, redo: bool, *args):
 
 class ScheduleError(RuntimeError):
     """A call breaks what deferral keeps (Contract §4)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
 
 
 def bucket(n: int) -> int:
@@ -529,7 +536,7 @@ class LoopCache:
         shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
         new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
         graphs = model.call_graphs if numerics == "static" else None  # a graph holds it
-        k, v = graphs.kv_buffers(S, T, new) if graphs else (new(), new())
+        k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
 
@@ -543,12 +550,12 @@ class LoopCache:
         self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (dst, src): sequence dst's whole cache becomes src's."""
+        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
+        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
         dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
             lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
             lines[:, dst] = lines[:, src]
-        self.h[dst] = self.h[src]
         self.depth[dst] = self.depth[src]
 
 
@@ -705,13 +712,14 @@ def sequence_seed(seed: int, index: int) -> int:
 
 def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
     """A draw from each row of logp (n, V) by inverse CDF at u (n,) float64;
-    argmax when greedy (u None). (n,) long, always a kept token."""
+    argmax when greedy (u None). (n,) long, a kept token (a NaN row: some token)."""
     if temperature == 0:
         return logp.argmax(dim=1)
     cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU each row alone
     total = cdf[:, -1:].contiguous()  # (n, 1)
     drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
-    return torch.minimum(drawn, torch.searchsorted(cdf, total))[:, 0]  # never past the last kept
+    last = torch.searchsorted(cdf, total).clamp(max=cdf.shape[1] - 1)  # the last kept
+    return torch.minimum(drawn, last)[:, 0]
 
 
 # --- Rollouts ---------------------------------------------------------------
@@ -857,11 +865,14 @@ def rollout(
             b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
             t = p - prompt_end[b]  # (n_out,)
             completions[b, t] = tok
-            logprobs[b, t] = logp.gather(1, tok[:, None])[:, 0]
+            logprobs[b, t] = lp = logp.gather(1, tok[:, None])[:, 0]  # (n_out,)
             tokens[b, p + 1] = tok  # the next position's input
             stop = torch.isin(tok, stop_ids) | (t + 1 == N)  # (n_out,)
+            stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
+            if any(bad):
+                raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
             kv.after_readout(cache, call, prompt_end)
-            for (c, q, _), ends_here in zip(call.readout, stop.tolist()):
+            for (c, q, _), ends_here in zip(call.readout, stop):
                 length[c] += 1
                 stopped.update([c] if ends_here else [])
                 if not (ends_here or runs_all(c)):
@@ -1078,10 +1089,6 @@ def grpo_loss(
     return loss, stats
 
 
-class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
-
-
 class ReplayMismatchError(RuntimeError):
     """The replay is not the sampler's log-probs bit for bit (the step refuses)."""
 
@@ -1228,39 +1235,67 @@ EXIT_RULES = tuple(EXIT_CDFS)  # "survival", "hf"
 # --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
 
 
+class CudaGraphError(RuntimeError):
+    """A CUDA graph captured nothing, or its first replay is not the eager call's bits (`--no-cuda-graphs`)."""
+
+
 class CallGraphs:
     """`LoopedLM.loop` of static calls (`Rows.static`), each call shape a CUDA graph: captured at its first call
     (all L layers, rows of any loops), replayed after with the call's rows copied into its buffers in one copy (the
-    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits
-    (the suite checks it on a GPU). A graph holds the addresses of its cache's K/V, so the cache of S slots is kept
-    here and reused by every static rollout and replay (`LoopCache.empty`); stale K/V in it are never attended
-    (Contract §4's mask), only read under the mask by padding. Calls with gradients, other numerics or more than
-    `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same static
-    buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
+    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits.
+    Checked once a shape: the capture runs the call eagerly first (its warm-up), and the graph's first replay must
+    equal it bit for bit (`CudaGraphError` if not, or if the capture recorded nothing). The audit cannot see a wrong
+    graph (the replay replays it too): this check can. Capture, streams and syncs are on the model's device.
+    A graph holds the addresses of its cache's K/V, so the static caches are kept here: one storage a layer, grown
+    to the largest asked (dropping every graph), each cache shape a view of it, zeroed when a rollout or replay
+    takes it (a real row reads stale K/V only under the mask, with weight 0, but 0 x NaN is NaN). At most
+    `max_graphs` graphs are kept, the least recently used dropped first. Calls with gradients, other numerics or
+    more than `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same
+    static buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
 
-    def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048):
-        self.model, self.capture, self.max_rows = model, capture, max_rows
-        self.graphs: dict[tuple, tuple] = {}  # call shape -> (graph, x, flat, rows, out)
-        self.caches: dict[int, tuple[list, list]] = {}  # S -> (k, v), grown to the longest T asked
+    def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
+        self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
+        self.capture, self.max_rows, self.max_graphs = capture, max_rows, max_graphs
+        self.graphs: dict[tuple, tuple] = {}  # (cache shape, call shape) -> (graph, x, flat, rows, out); LRU first
+        self.storage: tuple[list[Tensor], list[Tensor]] = ([], [])  # K, V: one flat tensor a layer
+        self.views: dict[tuple, tuple[list, list]] = {}  # cache shape -> its K/V, views of the storage
         self.pool, self.captures, self.capture_seconds = None, 0, 0.0
 
-    def kv_buffers(self, S: int, T: int, new: Callable[[], list[Tensor]]) -> tuple[list, list]:
-        """The kept K/V of S slots, T positions at least (a longer one replaces it, and its graphs go)."""
-        if S not in self.caches or self.caches[S][0][0].shape[2] < T:
-            self.caches.pop(S, None)
-            self.graphs = {key: g for key, g in self.graphs.items() if key[0] != S}
-            self.caches[S] = (new(), new())
-        return self.caches[S]
+    @property
+    def model(self) -> LoopedLM:
+        return self._model()
+
+    def kv_buffers(self, shape: tuple[int, ...]) -> tuple[list, list]:
+        """Each layer's K and V of one cache shape (R * S + 1, KVH, T, D), zeros, kept: views of the storage."""
+        if shape not in self.views:
+            n, (k, _) = math.prod(shape), self.storage
+            if not k or k[0].numel() < n:  # grow: the graphs hold the old addresses
+                self.graphs, self.views, self.storage = {}, {}, ([], [])  # freed before the new one is made
+                m = self.model
+                self.storage = tuple(
+                    [torch.empty(n, dtype=m.dtype, device=m.device) for _ in m.model.layers] for _ in "kv"
+                )
+            self.views[shape] = tuple([t[:n].view(shape) for t in ts] for ts in self.storage)
+        k, v = self.views[shape]
+        for t in k + v:
+            t.zero_()  # no earlier rollout's values: every stored value is finite (or the step stops)
+        return k, v
+
+    def kept_bytes(self) -> int:
+        """The storage's bytes (the memory plan counts it as the rollout cache)."""
+        return sum(t.numel() * t.element_size() for t in itertools.chain(*self.storage))
 
     def __call__(self, x: Tensor, rows: Rows, k: list, v: list, numerics: str) -> Tensor:
         eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
-        if eager or all(kept is not k for kept, _ in self.caches.values()):  # not a kept cache: eager
+        if eager or all(kept is not k for kept, _ in self.views.values()):  # not a kept cache: eager
             return self.model.loop(x, rows, k, v, numerics)
         shapes = tuple((g.rows.shape[0], *g.pos.shape, g.Tk) for g in rows.grids)
-        key = (rows.S, x.shape[0], rows.in_order, shapes)  # the layout of x and rows.flat
+        key = (tuple(k[0].shape), x.shape[0], rows.in_order, shapes)  # the cache, and the layout of x and rows.flat
         if key not in self.graphs:
+            while len(self.graphs) >= self.max_graphs:
+                del self.graphs[next(iter(self.graphs))]  # the least recently used
             self.graphs[key] = self._capture(x, rows, k, v, numerics)
-        graph, xs, flat, srows, out = self.graphs[key]
+        self.graphs[key] = graph, xs, flat, srows, out = self.graphs.pop(key)  # now the most recent
         xs.copy_(x)
         flat.copy_(rows.flat)
         if graph is None:
@@ -1269,7 +1304,8 @@ class CallGraphs:
         return out.clone()
 
     def _capture(self, x, rows: Rows, k: list, v: list, numerics: str) -> tuple:
-        """Static copies of the call's inputs, Rows as views of them; on CUDA the call captured as a graph."""
+        """Static copies of the call's inputs, Rows as views of them; on CUDA the call captured as a graph, on the
+        model's device, and its first replay checked against the eager call."""
         xs, flat = x.clone(), rows.flat.clone()
         view = lambda t: flat.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731  t: a view of rows.flat
         grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "line", "col", "kv", "pos")})
@@ -1278,15 +1314,27 @@ class CallGraphs:
         srows = dataclasses.replace(rows, **tensors, grids=grids, flat=flat, alone={})
         if not self.capture:
             return None, xs, flat, srows, None
-        start, stream = time.perf_counter(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: this very call, eagerly (the graph's replay redoes it)
-            self.model.loop(xs, srows, k, v, numerics)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for all: they never run at once
-            out = self.model.loop(xs, srows, k, v, numerics)
-        torch.cuda.synchronize()
+        dev, start = self.model.device, time.perf_counter()
+        with torch.cuda.device(dev):  # NOTE: a capture on another device records nothing (torch only warns)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):  # warm-up: this very call, eagerly; the graph must equal it
+                eager = self.model.loop(xs, srows, k, v, numerics)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                with torch.cuda.graph(graph, pool=self.pool):  # one memory pool for all: they never run at once
+                    out = self.model.loop(xs, srows, k, v, numerics)
+            if any("empty" in str(w.message) for w in said):
+                raise CudaGraphError(f"the CUDA graph of a call on {dev} captured nothing: run with --no-cuda-graphs")
+            graph.replay()  # the same inputs as the warm-up: it rewrites the same K/V
+            torch.cuda.synchronize(dev)
+        if not torch.equal(out, eager):
+            diff = float((out.float() - eager.float()).abs().max())
+            raise CudaGraphError(
+                f"a CUDA graph is not its eager call (max |diff| {diff:.3e}): run with --no-cuda-graphs"
+            )
         self.pool, self.captures = graph.pool(), self.captures + 1
         self.capture_seconds += time.perf_counter() - start
         return graph, xs, flat, srows, out

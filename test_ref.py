@@ -29,8 +29,10 @@ Run: `python -m pytest -q test_ref.py` (CI profile: derandomized, no example dat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -44,7 +46,9 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -355,7 +359,8 @@ class Case:
     max_num_seqs: int = 0  # slots: sequences in flight (0: all)
 
     def model(self, dtype: torch.dtype = torch.float32) -> S.LoopedLM:
-        return S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype=dtype, device=DEVICE)
+        """On a GPU its static calls run as CUDA graphs (as `train` runs them); on the CPU eagerly."""
+        return S.use_cuda_graphs(S.LoopedLM(self.cfg, seed=self.model_seed).to(dtype=dtype, device=DEVICE))
 
     def rollout(self, model: S.LoopedLM, **kw) -> S.Rollout:
         args = dict(
@@ -1229,6 +1234,32 @@ def test_the_run_seed_changes_the_draws_and_each_seed_repeats():
     assert all(x != y for x, y in zip(runs[0][0].completions, runs[1][0].completions)), runs[0][0].completions
 
 
+def test_a_non_finite_readout_stops_the_rollout_with_non_finite_error():
+    """Logits that are NaN (weights gone bad) stop the rollout with NonFiniteError, the error the trainer reports
+    cleanly, whether it samples, samples among the top k, or is greedy (before: an index error, or token 0)."""
+    model = S.LoopedLM(S.Config(**TINY))
+    with torch.no_grad():
+        model.lm_head.weight[3] = math.nan
+    for kw in (dict(), dict(top_k=5), dict(temperature=0.0)):
+        with pytest.raises(S.NonFiniteError, match="not finite"):
+            sample(model, [[1, 2], [3]], max_new_tokens=3, **kw)
+
+
+def test_each_training_step_draws_from_its_own_sequences_streams(monkeypatch):
+    """`train` seeds each sequence by its global index (step, prompt, member): with one problem and an lr too small
+    to move a weight, step 2 rolls out step 1's prompts from the same weights, and draws other completions (4
+    sequences of 6 tokens at temperature 1: equal by chance far below 1e-9). Step-local indices 0..B-1 fail it."""
+    seen = []
+    real = S.rollout
+    monkeypatch.setattr(S, "rollout", lambda *a, **kw: seen.append((kw["sequence_ids"], real(*a, **kw))) or seen[-1][1])
+    cfg = S.TrainConfig(config=TINY_JSON, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, subset=1,
+                        reward="digits", device="cpu", lr=1e-30, seed=5)  # fmt: skip
+    S.train(cfg, log=lambda *_: None)
+    (ids1, ro1), (ids2, ro2) = seen
+    assert (ids1, ids2) == ([0, 1, 2, 3], [4, 5, 6, 7]) and ro1.prompts == ro2.prompts
+    assert all(a != b for a, b in zip(ro1.completions, ro2.completions)), (ro1.completions, ro2.completions)
+
+
 def test_schedule_json_refuses_a_bad_share_pair():
     """A share pair copies one sequence's cache onto another: a sequence onto itself or a negative index is refused."""
     call = {"rows": [[0, 0, 1], [1, 0, 1]], "readout": [], "enter": [[0, 0], [1, 1]]}
@@ -1520,7 +1551,9 @@ class _Poisoned:
     def __init__(self, model: S.LoopedLM):
         self.model, self.seen = model, []
 
-    def kv_buffers(self, S_, T, new):
+    def kv_buffers(self, shape):
+        new = lambda: [torch.zeros(shape, dtype=self.model.dtype, device=self.model.device) for _ in range(L)]  # noqa: E731
+        L = self.model.config.num_hidden_layers
         return new(), new()
 
     def __call__(self, x, rows, k, v, numerics):
@@ -1577,6 +1610,7 @@ def test_call_graphs_are_the_eager_static_calls_bitwise(case, mode, dtype, data)
     (rewritten, not stale); each shape is captured once. A graph fed its first call's rows again fails it."""
     k = data.draw(between(0, len(case.prompts)), label="max_num_seqs")
     model, case = case.model(dtype), dataclasses.replace(case, max_num_seqs=k)
+    model.call_graphs = None
     eager = case.rollout(model, mode=mode, numerics="static")
     model.call_graphs = graphs = S.CallGraphs(model, capture=model.device.type == "cuda")
     try:
@@ -1590,6 +1624,147 @@ def test_call_graphs_are_the_eager_static_calls_bitwise(case, mode, dtype, data)
             assert torch.equal(a, b), f"graphs vs eager: max |diff| {maxdiff(a, b):.3e}"
     assert 0 < len(graphs.graphs) <= len(runs[0].schedule.calls)
     assert graphs.captures == (len(graphs.graphs) if graphs.capture else 0)
+
+
+def test_the_kept_cache_is_one_storage_zeroed_for_each_rollout_and_graphs_are_bounded():
+    """`CallGraphs` keeps one K/V storage a layer: a longer rollout after a shorter one grows it (and drops the
+    graphs, which hold its old address), another slot count takes a view of it, and NaN and Inf planted in it between
+    rollouts change no bit (each rollout starts from zeros). At most `max_graphs` are kept. Each run equals the
+    eager static rollout bit for bit. Not growing the storage, or not zeroing it, fails it."""
+    model = S.LoopedLM(S.Config(**TINY), seed=1)
+    prompts, policy = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], S.Policy(numerics="static")
+    runs = [(2, 2), (6, 2), (6, 4), (3, 1)]  # (new tokens, slots): longer, more slots, fewer
+    eager = [S.rollout(model, prompts, policy, max_new_tokens=n, max_num_seqs=k) for n, k in runs]
+    model.call_graphs = graphs = S.CallGraphs(model, capture=False, max_graphs=3)
+    try:
+        for (n, k), ro_eager in zip(runs, eager):
+            ro = S.rollout(model, prompts, policy, max_new_tokens=n, max_num_seqs=k)
+            assert (ro.completions, ro.exit_loops) == (ro_eager.completions, ro_eager.exit_loops)
+            d = maxdiff(ro.logprobs, ro_eager.logprobs)
+            assert torch.equal(ro.logprobs, ro_eager.logprobs), f"kept cache vs eager: max |diff| {d}"
+            assert 0 < len(graphs.graphs) <= 3
+            for i, t in enumerate(itertools.chain(*graphs.storage)):  # what a failed rollout could leave
+                t.fill_(math.nan if i % 2 else math.inf)
+        largest = max(S.LoopCache.empty(model, k, 4 + n, "static").k[0].numel() for n, k in runs)
+        assert graphs.kept_bytes() == 2 * largest * model.config.num_hidden_layers * 4  # float32
+    finally:
+        model.call_graphs = None
+
+
+class _FakeCuda:
+    """torch.cuda's capture API on the CPU, for `CallGraphs`: a graph records the loop it captures and its replay
+    runs it again on the same static buffers (a CUDA graph's semantics). It records the device of every device
+    call; `empty` warns as torch does when a capture recorded nothing; `wrong` makes every replay add 1."""
+
+    def __init__(self, monkeypatch, empty=False, wrong=False):
+        self.devices, self.empty, self.wrong = [], empty, wrong
+        for name in ("device", "Stream", "current_stream", "stream", "CUDAGraph", "graph", "synchronize"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    @contextlib.contextmanager
+    def device(self, dev):
+        self.devices.append(dev)
+        yield
+
+    def Stream(self, device=None):
+        self.devices.append(device)
+        return types.SimpleNamespace(wait_stream=lambda other: None)
+
+    def current_stream(self, device=None):
+        return self.Stream(device)
+
+    def stream(self, s):
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None):
+        self.devices.append(device)
+
+    def CUDAGraph(self):
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fn, args, out = self.run
+                out.copy_(fn(*args) + fake.wrong)
+
+            def pool(self):
+                return None
+
+        return Graph()
+
+    @contextlib.contextmanager
+    def graph(self, g, pool=None):
+        loop = S.LoopedLM.loop
+
+        def recording(model, *args):
+            g.run = (loop, (model, *args), loop(model, *args))
+            return g.run[2]
+
+        S.LoopedLM.loop = recording
+        try:
+            yield
+        finally:
+            S.LoopedLM.loop = loop
+        if self.empty:
+            warnings.warn("The CUDA Graph is empty. This usually means that the graph was attempted to be captured")
+
+
+@pytest.mark.parametrize("fault", ["none", "empty", "wrong"])
+def test_call_graphs_capture_on_the_models_device_and_check_their_first_replay(monkeypatch, fault):
+    """`CallGraphs` with a stand-in for torch.cuda's capture API (`_FakeCuda`): every device, stream and sync call
+    names the model's device (under torchrun rank 1 or --device cuda:1 the current device is another, whose capture
+    records nothing); a graph that replays its capture gives the eager static rollout bit for bit; a capture that
+    recorded nothing, or a graph whose first replay is not the eager call, raises CudaGraphError. A capture on the
+    current device, or no check of the first replay, fails it."""
+    fake = _FakeCuda(monkeypatch, empty=fault == "empty", wrong=fault == "wrong")
+    model = S.LoopedLM(S.Config(**TINY), seed=2)
+    prompts, policy = [[1, 2, 3], [4, 5], [6]], S.Policy(numerics="static")
+    eager = S.rollout(model, prompts, policy, max_new_tokens=4, max_num_seqs=2)
+    model.call_graphs = graphs = S.CallGraphs(model, capture=True)
+    try:
+        if fault != "none":
+            with pytest.raises(S.CudaGraphError, match="captured nothing" if fault == "empty" else "eager call"):
+                S.rollout(model, prompts, policy, max_new_tokens=4, max_num_seqs=2)
+            return
+        ro = S.rollout(model, prompts, policy, max_new_tokens=4, max_num_seqs=2)
+    finally:
+        model.call_graphs = None
+    assert graphs.captures == len(graphs.graphs) > 0 and set(fake.devices) == {model.device}, fake.devices
+    assert ro.completions == eager.completions and torch.equal(ro.logprobs, eager.logprobs)
+
+
+def test_a_model_and_its_graphs_are_freed_without_the_garbage_collector():
+    """`CallGraphs` holds its model weakly: dropping the last reference to a model with graphs frees it, its kept
+    cache and its graphs at once (a cycle would keep them until `gc.collect()`). Holding the model strongly fails it."""
+    gc.disable()
+    try:
+        model = S.LoopedLM(S.Config(**TINY))
+        model.call_graphs = S.CallGraphs(model, capture=False)
+        S.rollout(model, [[1, 2]], S.Policy(numerics="static"), max_new_tokens=2)
+        gone = [weakref.ref(model), weakref.ref(model.call_graphs), weakref.ref(model.call_graphs.storage[0][0])]
+        del model
+        assert [ref() for ref in gone] == [None] * 3
+    finally:
+        gc.enable()
+
+
+@examples(10)
+@given(case=cases(new_tokens=(2, 6), batch=(2, 5)), data=st.data())
+def test_dense_runs_every_generating_position_through_all_loops_in_slots(case, data):
+    """Dense mode: each position that reads out a token runs loops 1..R, once each, in order, before its sequence
+    leaves its slot, in any number of slots (a stopped sequence's last position too). Freeing a stopped sequence's
+    slot at its exit loop fails it."""
+    k = data.draw(between(0, len(case.prompts)), label="max_num_seqs")
+    model = case.model()
+    stop = tuple(range(0, case.cfg.vocab_size, 3))  # a third of the ids stop
+    ro = dataclasses.replace(case, max_num_seqs=k).rollout(model, mode="dense", stop_ids=stop)
+    R, seen = model.config.total_ut_steps, {}
+    for call in ro.schedule.calls:
+        for b, p, r in call.rows:
+            seen.setdefault((b, p), []).append(r)
+    for b, (prompt, c) in enumerate(zip(ro.prompts, ro.completions)):
+        for p in range(len(prompt) - 1, len(prompt) - 1 + len(c)):
+            assert seen.get((b, p)) == list(range(1, R + 1)), (b, p, seen.get((b, p)))
 
 
 @examples(25)
@@ -4096,6 +4271,9 @@ def test_memory_plan_parts_hand_counted():
         assert plan["phase_" + k] == plan["phase_state"] + plan[k]
     assert plan["peak"] == max(plan[k] for k in plan if k.startswith("phase_")) and plan["peak"] <= 80e9, plan
     assert S.memory_plan(cfg, torch.bfloat16, **step, device="cuda")["peak"] > 1e12
+    kv, odd = S.kv_cache_bytes_per_token(cfg, torch.bfloat16)["total"], dict(step, prompt_len=250, new_tokens=1000)
+    for numerics, T in (("fast", 1250), ("static", 1280)):  # static: the cache is bucket(T) long
+        assert S.memory_plan(cfg, torch.bfloat16, **odd, numerics=numerics)["rollout_cache"] == 64 * T * kv, numerics
     with_kl = S.memory_plan(cfg, torch.float32, **step, beta=0.1, device="cuda")
     assert with_kl["kl_reference"] == 4 * P and with_kl["masters"] == with_kl["start_copy"] == 0
     without = S.memory_plan(cfg, torch.float32, **step, device="cuda")  # the reference lives through the step

@@ -14,7 +14,7 @@ the prompts is near 2.5. Rollouts run with `numerics="static"` and CUDA graphs (
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -143,10 +143,10 @@ def main() -> int:
     section(rep, "kernels", lambda: kernels(rep, model, prompts[0]))
     section(rep, "KV cache", lambda: cache_vs_recompute(rep, prompts[0], 32 if small else 128, args, device))
     steps = ((16, 8, 0, False), (16, 8, 2, True)) if small else ((16, 64, 0, False), (64, 256, 2, True))
-    for seqs, new_tokens, mb, ckpt in steps:  # the plan against the allocator's peak; a step's parts
-        section(
-            rep, f"GRPO step {seqs}", lambda: grpo_step(rep, model, prompts[:seqs], new_tokens, mb, ckpt, K, device)
-        )
+    model = None  # the GRPO steps measure memory from a fresh model: nothing of the sections above is left
+    for seqs, new_tokens, mb, ckpt in steps:  # the plan against the allocator's peak; a step's parts; exactness
+        section(rep, f"GRPO step {seqs}",
+                lambda: grpo_step(rep, cfg, bias, prompts[:seqs], new_tokens, mb, ckpt, K, device, args))  # fmt: skip
     rep.row("wall time", f"{time.perf_counter() - start:.0f} s", "<= 300 s", time.perf_counter() - start <= 300)
     print("\n" + rep.table())
     return 0
@@ -237,12 +237,24 @@ def run_suite(rep: Report, device: torch.device, timeout: int) -> None:
     rep.row(f"suite on {device} (-m device)", summary, "green", ok, suite_ok=ok)
 
 
-def grpo_step(rep: Report, model: S.LoopedLM, prompts, new_tokens: int, mb: int, ckpt: bool, K: int, device) -> None:
-    """One GRPO step (groups of 8, AdamW on float32 masters as `train` does in bfloat16): its parts' times, and the
-    memory plan's peak against `max_memory_allocated`."""
+def free(device: torch.device) -> None:
+    """Whatever the sections before left: collected, and the allocator's cache returned."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def grpo_step(rep: Report, cfg, bias: float, prompts, new_tokens: int, mb: int, ckpt: bool, K: int, device, args):
+    """One GRPO step on a fresh model (groups of 8, AdamW on float32 masters as `train` does in bfloat16): its parts'
+    times, the audit and iteration 1's ratios (exact), and the memory plan's peak against `max_memory_allocated`
+    from the model's creation on."""
+    free(device)
     G, B = 8, len(prompts)
     prompts = [p for p in prompts[: B // G] for _ in range(G)]
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = S.use_cuda_graphs(random_model(cfg, device), not args.no_cuda_graphs)
+    with torch.no_grad():
+        model.model.early_exit_gate.bias.fill_(bias)
     opt = S.MasterWeights(model, "stochastic", 0, lr=1e-6, weight_decay=0.0, eps=1e-8)
     grpo = S.GRPOConfig(group_size=G, micro_batch=mb, grad_checkpoint=ckpt)
     plan = S.memory_plan(
@@ -250,29 +262,35 @@ def grpo_step(rep: Report, model: S.LoopedLM, prompts, new_tokens: int, mb: int,
         max_num_seqs=K, micro_batch=mb, grad_checkpoint=ckpt, device=str(device), numerics="static",
         cuda_graphs=model.call_graphs is not None,
     )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    policy = S.Policy("deferred", "static")
+    policy, times = S.Policy("deferred", "static"), {"audit": [], "optimizer": []}
     t_roll, ro = S._timed(device, lambda: S.rollout(model, prompts, policy, max_new_tokens=new_tokens, max_num_seqs=K))
-    t_audit, _ = S._timed(device, lambda: S.replay_logprobs(model, ro))
     rewards = torch.arange(B, dtype=torch.float32) % 2
-    grpo_fb = dataclasses.replace(grpo, check_replay=False)
-    t_opt = []
-    step = opt.step
-    opt.step = lambda: t_opt.append(S._timed(device, step)[0])
-    t_update, _ = S._timed(device, lambda: S.grpo_update(model, opt, ro, rewards, grpo_fb, "static"))
+    audit, step = S._audit_first_iteration, opt.step
+    opt.step = lambda: times["optimizer"].append(S._timed(device, step)[0])  # noqa: E731
+
+    def timed_audit(*a):
+        dt, metrics = S._timed(device, lambda: audit(*a))
+        times["audit"].append(dt)
+        return metrics
+
+    S._audit_first_iteration = timed_audit
+    try:
+        t_update, m = S._timed(device, lambda: S.grpo_update(model, opt, ro, rewards, grpo, "static"))
+    finally:
+        S._audit_first_iteration = audit
+        del opt.step  # the wrapper held opt: a cycle
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(start[n])
+    t_audit, t_opt = times["audit"][0], sum(times["optimizer"])
     lengths = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
     what = f"GRPO step {B} x ({lengths} + {new_tokens}), micro-batch {mb or 'whole'}{', ckpt' if ckpt else ''}"
     parts = (
         f"rollout {t_roll:.1f} s, replay audit {t_audit:.1f} s, teacher forcing + backward "
-        f"{t_update - sum(t_opt):.1f} s, optimizer {sum(t_opt):.1f} s"
+        f"{t_update - t_audit - t_opt:.1f} s, optimizer {t_opt:.1f} s"
     )
-    rep.row(what, parts, **{f"step_{B}_{mb}": dict(rollout=t_roll, audit=t_audit, update=t_update, opt=sum(t_opt))})
+    rep.row(what, parts, **{f"step_{B}_{mb}": dict(rollout=t_roll, audit=t_audit, update=t_update, opt=t_opt)})
+    exact = m["exact/mismatched_tokens"] == 0 and m["ratio_max"] == m["ratio_min"] == 1.0
+    figure = f"mismatched {m['exact/mismatched_tokens']}, ratios {m['ratio_min']!r}..{m['ratio_max']!r}"
+    rep.row("  audit, iteration-1 ratios", figure, "0, exactly 1", exact, **{f"exact_{B}_{mb}": exact})
     if peak is not None:
         ratio = plan["peak"] / peak
         figure = f"{S._fmt_bytes(plan['peak'])} / {S._fmt_bytes(peak)} = {ratio:.2f}"
