@@ -2028,6 +2028,10 @@ def evaluate(
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 MAX_BATCH = 4096  # the bench draws this many prompts at most
+# NOTE: sigmoid(-40) is 4e-18, below any dtype's step from 1: a gate bias past +-1e4 means nothing more, and 1e308
+# (past float32's and bfloat16's 3.4e38) fills the gate with inf. A petabyte is more memory than any one machine.
+GATE_BIAS_MAX, MEMORY_GB_MAX = 1e4, 1e6
+BENCH_PROMPT_MAX = 16  # the bench's prompts are 8..16 tokens (and --cache-prompt's)
 DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
@@ -3534,6 +3538,21 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
             model.model.early_exit_gate.bias.fill_(bias)
 
 
+def _check_bench_positions(args, cfg: Config, real: bool) -> None:
+    """Every sequence the bench runs fits the model's positions, checked once its config is read, before any work."""
+    P = cfg.max_position_embeddings
+    if BENCH_PROMPT_MAX + args.new_tokens > P:
+        raise ValueError(
+            f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}, "
+            "the model's max_position_embeddings"
+        )
+    if not real and args.cache_prompt + args.cache_tokens > P:  # (--model: the cache test runs the short prompt)
+        raise ValueError(
+            f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}, "
+            "the model's max_position_embeddings"
+        )
+
+
 class _BenchSetup:
     """What every measurement of `bench` shares: flags, config, prompts, the machine's figures, (toy) the weights."""
 
@@ -3542,10 +3561,11 @@ class _BenchSetup:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device = torch.device(auto if args.device == "auto" else args.device)
         self.cfg = cfg = load_config(Path(args.model) / "config.json" if self.real else args.config)
+        _check_bench_positions(args, cfg, self.real)
         self.dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
         self.batches = (args.batch,) if args.batch else ((1,) if self.real else (1, 8))
         gen, V = torch.Generator().manual_seed(args.seed), min(256, cfg.vocab_size)
-        lengths = torch.randint(8, 17, (max(8, *self.batches),), generator=gen)
+        lengths = torch.randint(8, BENCH_PROMPT_MAX + 1, (max(8, *self.batches),), generator=gen)
         self.prompts = [torch.randint(0, V, (int(n),), generator=gen).tolist() for n in lengths]  # short ones
         self.cache_prompt = torch.randint(0, V, (args.cache_prompt,), generator=gen).tolist()  # the cache test's
         self.bandwidth = copy_bandwidth(device)  # bytes/s; before any model, so its buffers count in no peak
@@ -3882,10 +3902,10 @@ class BenchFlags:
         "the short bench prompt is measured too", within=(1, MAX_COUNT))
     repeats: int = _flag(3, "alternating repeats (medians are reported)", within=(1, MAX_COUNT))
     gate_bias: float | None = _flag(None, "set the exit gate's bias (default: 1.0 on the random model, the "
-        "checkpoint's own with --model)", within=(-math.inf, math.inf))
+        "checkpoint's own with --model)", within=(-GATE_BIAS_MAX, GATE_BIAS_MAX))
     exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     memory_gb: float | None = _flag(None, "memory for the KV-cache fit (default: the GPU's, or this machine's "
-        "physical memory)", within=(0.0, math.inf, "()"))
+        "physical memory)", within=(0.0, MEMORY_GB_MAX, "(]"))
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
     plan_sequences: int = _flag(64, "the memory plan's GRPO step: sequences (one process)", within=(1, MAX_COUNT))
     plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))

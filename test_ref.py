@@ -4369,12 +4369,19 @@ def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, args):
     "flag,value",
     [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
      ("--exit-threshold", "nan"), ("--exit-threshold", "-1"), ("--new-tokens", "0"), ("--model", "/no/such/folder"),
-     ("--max-num-seqs", "-1")],
+     ("--max-num-seqs", "-1"), ("--gate-bias", "1e308"), ("--gate-bias", "-50000"), ("--gate-bias", "3.5e38"),
+     ("--memory-gb", "1e308"), ("--memory-gb", "1e300"),
+     # past bench.json's 512 positions, refused once the config is read: a 10**6-token prompt, --cache-prompt 400 +
+     # the default 128 cache tokens, 2,000 cache tokens (ran past 120 s), 600 new tokens after a 16-token prompt
+     ("--cache-prompt", str(10**6)), ("--cache-prompt", "400"), ("--cache-tokens", "2000"), ("--new-tokens", "600")],
 )  # fmt: skip
 def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
-    """Every bench flag is checked before any loading or measuring: exit 2, one line naming the flag."""
-    rc, err = _run(capsys, ["bench", flag, value])
-    assert rc == 2
+    """Every bench flag is checked before any loading or measuring (the positions once the config is read): exit 2,
+    one line naming the flag, nothing printed."""
+    capsys.readouterr()
+    rc = S.main(["bench", flag, value])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
     _one_line_error(err, flag)
 
 
