@@ -1726,6 +1726,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         side = path.with_name("tokenizer_config.json")  # the chat template and the special tokens, when present
         self.config = _load_json_limited(_read_text(side, "tokenizer config"), side) if side.exists() else {}
+        self.config_file = side  # named by the chat template's errors
         if not isinstance(self.config, dict):
             raise ValueError(f"{side}: must be a JSON object")
         self.token_id = self._tok.token_to_id  # text -> its id, None if not one token (<|im_end|>, ...)
@@ -1758,18 +1759,29 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
     specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
     specials = {k: v for k, v in specials.items() if isinstance(v, str)}  # bos_token, eos_token, ... as HF passes
+    where = f"{getattr(tok, 'config_file', 'tokenizer_config.json')}: its chat template"
+
+    def failed(e: Exception) -> ValueError:  # any error a template raises (its own, jinja2's, its sandbox's, Python's)
+        first = (str(e) or type(e).__name__).strip().splitlines()[0][:200]
+        return ValueError(f"{where} failed ({type(e).__name__}: {first})")
+
     try:
         compiled = env.from_string(template)
-    except TemplateError as e:
-        raise ValueError(f"the checkpoint's chat template: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- a template is code: whatever it raises is the template's error
+        raise failed(e) from None
 
     def render(question: str) -> str:
         kw = dict(messages=[{"role": "user", "content": question}], tools=None, documents=None, **specials)
-        text = compiled.render(add_generation_prompt=True, **kw, **({"enable_thinking": True} if thinking else {}))
-        if thinking and text == compiled.render(add_generation_prompt=True, **kw) and not text.endswith("<think>\n"):
+        try:
+            text = compiled.render(add_generation_prompt=True, **kw, **({"enable_thinking": True} if thinking else {}))
+            plain = compiled.render(add_generation_prompt=True, **kw) if thinking else None
+        except Exception as e:  # noqa: BLE001 -- raise_exception, an undefined attribute, 1 / 0, range(10**9) (the
+            raise failed(e) from None  # sandbox's MAX_RANGE), a private attribute the sandbox blocks: one line
+        if thinking and text == plain and not text.endswith("<think>\n"):
             text += "<think>\n"  # NOTE: the template ignores enable_thinking (as Ouro-1.4B-Thinking's is reported to)
         return text
 
+    render("What is 2 + 3?")  # once, at setup: a template that fails fails before any work
     return render
 
 

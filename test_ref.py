@@ -4244,6 +4244,32 @@ def test_stop_ids_from_generation_config(tmp_path, generation_eos, flags, expect
     assert tok.stop_ids == expect and tok.eos_id == expect[0] and (tok.chat is not None) == ("prompt_format" in flags)
 
 
+@pytest.mark.parametrize(
+    "template,error",
+    [
+        ("{{ raise_exception('no system role') }}", "TemplateError: no system role"),
+        ("{{ messages[0].content.foo.bar }}", "UndefinedError"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),  # the sandbox's MAX_RANGE
+        ("{{ ''.__class__.__mro__ }}", "SecurityError"),  # a private attribute, blocked by the sandbox
+        ("{% if %}", "TemplateSyntaxError"),
+    ],
+)
+def test_a_chat_template_that_fails_is_one_line_before_any_work(tmp_path, capsys, template, error):
+    """A checkpoint's chat template is code: whatever it raises (its own raise_exception, jinja2's errors, its
+    sandbox's, Python's) is one line naming tokenizer_config.json, exit 2, before any training step."""
+    path = _chat_checkpoint(tmp_path / "m", template=template)
+    with pytest.raises(ValueError, match=re.escape(error)):  # rendered once as the renderer is made: at setup
+        S.chat_renderer(S.HFTokenizer(path / "tokenizer.json"))
+    argv = _flags(tmp_path, "train")
+    argv[argv.index("--config") : argv.index("--config") + 2] = ["--model", str(path), "--prompt-format", "chat"]
+    capsys.readouterr()
+    rc = S.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and not (tmp_path / "out" / "trainer_state.pt").exists(), out
+    _one_line_error(err, str(path / "tokenizer_config.json") + ": its chat template failed", error)
+
+
 def test_chat_format_needs_a_template(tmp_path, capsys):
     """--prompt-format chat with no template (a checkpoint without one, or a tiny model's byte tokenizer) and
     a generation config's stop id outside the vocabulary are one-line errors, exit 2, nothing written."""
