@@ -723,6 +723,7 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
+    check: Callable | None = field(default=None, repr=False, compare=False)  # an outside one's: (schedule, ro)
 
 
 @dataclass
@@ -941,6 +942,8 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     the cache has another length: no matter, a row reads nothing past its own position."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
+    if ro.schedule.check is not None:  # from outside (`schedule_from_json`): its readouts are ro's tokens
+        ro.schedule.check(ro.schedule, ro)
     with torch.no_grad():
         tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
     return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
@@ -2687,20 +2690,103 @@ def schedule_to_json(schedule: Schedule) -> str:
     return json.dumps(d | {"calls": [dataclasses.asdict(c) for c in schedule.calls]})
 
 
+CALL_KEYS = ("rows", "readout", "share", "enter")  # a call's fields in JSON: lists of [b, p, r] or of pairs
+
+
+def _json_tuples(i: int, call: dict, key: str) -> list[tuple[int, ...]]:
+    """Call i's `key` (missing: []): a list of [b, p, r] (rows, readout) or pairs of integers >= 0 (not bools)."""
+    items, what = call.get(key, []), {"share": "[dst, src]", "enter": "[b, s]"}.get(key, "[b, p, r]")
+    if not isinstance(items, list):
+        raise ValueError(f"call {i}: {key!r} must be a list of {what}, got {json.dumps(items)[:80]}")
+    for j, item in enumerate(items):
+        if not isinstance(item, list) or len(item) != len(what.split(",")) or not all(_is_index(x) for x in item):
+            raise ValueError(f"call {i}: {key!r}[{j}] must be {what} integers >= 0, got {json.dumps(item)[:80]}")
+    return [tuple(item) for item in items]
+
+
+def _is_index(x) -> bool:
+    return type(x) is int and x >= 0  # JSON's true is no index
+
+
+def _schedule_policy(d: dict) -> Policy:
+    """The schedule's Policy fields (missing: defaults), each of its field's JSON type, then `Policy`'s own checks."""
+    kw = {}
+    for f in dataclasses.fields(Policy):
+        if f.name not in d:
+            continue
+        v, default = d[f.name], f.default
+        if isinstance(default, tuple):  # stop_ids: a list of ids
+            ok = isinstance(v, list) and all(_is_index(x) for x in v)
+            v = tuple(v) if ok else v
+        elif isinstance(default, str):
+            ok = isinstance(v, str)
+        elif isinstance(default, int):
+            ok = type(v) is int
+        else:  # a float, or (exit_threshold) None
+            ok = _is_finite_number(v) or (v is None and default is None)
+        if not ok:
+            raise ValueError(f"schedule: {f.name!r} must be a {type(default).__name__}, got {json.dumps(v)[:80]}")
+        kw[f.name] = v
+    return Policy(**kw)
+
+
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls' pairs checked on reading."""
-    d = json.loads(text)
-    calls = [Call(*([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share", "enter"))) for c in d["calls"]]
-    for i, c in enumerate(calls):
-        bad_share = any(len(pair) != 2 or pair[0] == pair[1] or min(pair) < 0 for pair in c.share)  # (dst, src)
-        bad_enter = any(len(pair) != 2 or min(pair) < 0 for pair in c.enter) or (i == 0 and not c.enter)
-        bad_rows = not c.rows or c.rows != sorted(set(c.rows)) or any(len(row) != 3 for row in c.rows)
-        if bad_rows or not set(c.readout) <= set(c.rows) or bad_share or bad_enter:
-            msg = "bad rows (sorted, unique (b, p, r)), readout, share (dst != src) or enter ((b, s); call 0 seats)"
-            raise ValueError(f"call {i}: {msg}")
-    d["stop_ids"] = tuple(d.get("stop_ids", ()))  # JSON has lists, a Policy tuples
-    policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
-    return Schedule(calls, policy, d["dtype"], d["loops"])
+    """A schedule written by `schedule_to_json` (missing policy fields and call fields: defaults), its structure and
+    types checked on reading (a ValueError names the call and the field); the replay checks it against the rollout
+    it replays (`check_schedule`)."""
+    d = _load_json_limited(text, "schedule")  # NOTE: depth-limited: json's recursion never overflows
+    if not isinstance(d, dict) or not isinstance(d.get("calls"), list):
+        raise ValueError("schedule: must be a JSON object with a list 'calls'")
+    if d.get("dtype") not in [str(t) for t in DTYPES.values()] or type(d.get("loops")) is not int or d["loops"] < 1:
+        want = f"'dtype' one of {[str(t) for t in DTYPES.values()]} and 'loops' an integer >= 1"
+        raise ValueError(f"schedule: need {want}, got {json.dumps(d.get('dtype'))[:40]}, {json.dumps(d.get('loops'))}")
+    calls = []
+    for i, c in enumerate(d["calls"]):
+        if not isinstance(c, dict) or set(c) - set(CALL_KEYS):
+            raise ValueError(f"call {i}: must be an object with keys among {CALL_KEYS}, got {json.dumps(c)[:80]}")
+        call = Call(*(_json_tuples(i, c, k) for k in CALL_KEYS))
+        if not call.rows or any(a[:2] >= b[:2] or b[2] < 1 for a, b in zip([(-1, -1, 1)] + call.rows, call.rows)):
+            raise ValueError(f"call {i}: 'rows' must be one or more [b, p, r], sorted and unique by (b, p), r >= 1")
+        rows = set(call.rows)
+        if bad := [row for row in call.readout if row not in rows or call.readout.count(row) > 1]:
+            raise ValueError(f"call {i}: 'readout' {list(bad[0])} is not one of the call's rows, or is there twice")
+        if bad := [pair for pair in call.share if pair[0] == pair[1]]:
+            raise ValueError(f"call {i}: 'share' {list(bad[0])} copies a sequence onto itself (dst == src)")
+        if i == 0 and not call.enter:
+            raise ValueError("call 0: 'enter' is empty (the first call seats the sequences)")
+        calls.append(call)
+    schedule = Schedule(calls, _schedule_policy(d), d["dtype"], d["loops"])
+    schedule.check = check_schedule  # from outside: the replay checks it against the rollout
+    return schedule
+
+
+def check_schedule(schedule: Schedule, ro: Rollout) -> None:
+    """An outside schedule against the rollout it replays (`replay_logprobs` calls it for a `schedule_from_json`'s;
+    a rollout's own is right by construction, and training never pays for this): every sequence, slot, position
+    and loop in range, and every token of the mask read out once, at its exit loop, at position prompt_end + t;
+    no other readout. A ScheduleError names the call and the field. NOTE: host-side Python over the calls' rows."""
+    B, R = len(ro.prompts), schedule.loops
+    T = max(len(prompt) + len(c) for prompt, c in zip(ro.prompts, ro.completions))  # ro.tokens()'s
+    exits = {}  # (b, p, e) -> t: the readouts the tokens need
+    for b, (prompt, es) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        exits |= {(b, len(prompt) - 1 + t, e): t for t, e in enumerate(es)}
+    seen = {}  # readout -> its call
+    for i, call in enumerate(schedule.calls):
+        for key, bounds in (("rows", (B, T, R + 1)), ("enter", (B, B)), ("share", (B, B))):
+            for j, item in enumerate(getattr(call, key)):
+                if any(x >= n for x, n in zip(item, bounds)):
+                    what = f"b < B = {B}, p < T = {T}, 1 <= r <= R = {R}" if key == "rows" else f"both < B = {B}"
+                    raise ScheduleError(f"call {i}: {key!r}[{j}] {list(item)} is out of range ({what})")
+        for j, row in enumerate(call.readout):
+            if row not in exits:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} is no masked token's exit at its loop")
+            if row in seen:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} was read out already (call {seen[row]})")
+            seen[row] = i
+    if missing := [row for row in exits if row not in seen]:
+        b, p, e = missing[0]
+        where = f"token {exits[missing[0]]} (position {p}, exit loop {e})"
+        raise ScheduleError(f"schedule: sequence {b}'s {where} is never read out ({len(missing)} tokens are not)")
 
 
 def row_loops(schedule: Schedule) -> int:

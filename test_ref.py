@@ -35,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -1240,6 +1241,75 @@ def test_schedule_json_refuses_a_bad_share_pair():
     for bad in ({"enter": []}, {"enter": [[0, -1]]}, {"rows": [[0, 0]]}, {"rows": [[1, 0, 1], [0, 0, 1]]}):
         with pytest.raises(ValueError, match="enter|rows"):  # call 0 seats nobody, a negative slot, pairs, unsorted
             S.schedule_from_json(json.dumps(d | {"calls": [call | bad]}))
+
+
+def _break(d: dict, ro, how: str, rnd) -> str:
+    """Schedule JSON `d` (a rollout `ro`'s) broken one way `how`: the JSON text, and the call it breaks."""
+    calls = d["calls"]
+    readouts = [(i, j) for i, c in enumerate(calls) for j in range(len(c["readout"]))]
+    i = rnd.randrange(len(calls))
+    if how == "no calls":
+        del d["calls"]
+    elif how == "deep":
+        return json.dumps(d).replace('"calls": [', '"calls": ' + "[" * 100, 1)[:-1] + "]" * 99 + "}", i
+    elif how == "position null":
+        calls[i]["rows"][-1][1] = None
+    elif how == "slot 1.0":
+        calls[0]["enter"][-1][1] = 1.0
+    elif how == "loop true":
+        calls[i]["rows"][0][2] = True
+    elif how == "rows a string":
+        calls[i]["rows"] = "0 0 1"
+    elif how == "position past T":
+        row = calls[i]["rows"][-1]
+        calls[i]["readout"] = [x for x in calls[i]["readout"] if x != row]
+        row[1] = len(ro.tokens()[0]) + rnd.randrange(3)
+    elif how == "slot past B":
+        calls[0]["enter"][-1][1] = len(ro.prompts)
+    elif how == "readout removed":
+        i, j = rnd.choice(readouts)
+        calls[i]["readout"].pop(j)
+    elif how == "readout twice":
+        i, j = rnd.choice(readouts)
+        calls[i]["readout"].append(calls[i]["readout"][j])
+    elif how == "readout at another loop":  # the same (b, p) read out where another call runs it at another loop
+        i, j = rnd.choice(readouts)
+        row = calls[i]["readout"].pop(j)
+        i = next(k for k, c in enumerate(calls) for x in c["rows"] if x[:2] == row[:2] and x[2] != row[2])
+        calls[i]["readout"].append(next(x for x in calls[i]["rows"] if x[:2] == row[:2]))
+    return json.dumps(d), i
+
+
+BROKEN = [
+    ("no calls", ValueError, "'calls'"),
+    ("deep", ValueError, "nested deeper"),
+    ("position null", ValueError, "call {i}: 'rows'"),
+    ("slot 1.0", ValueError, "call 0: 'enter'"),
+    ("loop true", ValueError, "call {i}: 'rows'"),
+    ("rows a string", ValueError, "call {i}: 'rows'"),
+    ("position past T", S.ScheduleError, "call {i}: 'rows'"),
+    ("slot past B", S.ScheduleError, "call 0: 'enter'"),
+    ("readout removed", S.ScheduleError, "never read out"),
+    ("readout twice", ValueError, "call {i}: 'readout'"),
+    ("readout at another loop", S.ScheduleError, "call {i}: 'readout'"),
+]
+
+
+@pytest.mark.parametrize("how,error,needle", BROKEN, ids=[b[0] for b in BROKEN])
+def test_a_broken_schedule_from_json_is_refused_naming_the_call(how, error, needle):
+    """A schedule handed over as JSON (`schedule_from_json`, then `replay_logprobs`) that is broken (a key missing,
+    nesting past the limit, a null, a float or a bool for an index, a position past T, a slot past B, a readout
+    removed, doubled or at another loop than the token's exit) is refused with a ValueError on reading or a
+    ScheduleError before the replay computes, naming the call and the field: never a TypeError, an IndexError, a
+    RecursionError, nor other numbers without a word."""
+    model = S.LoopedLM(S.load_config(TINY_JSON), seed=0)
+    ro = S.rollout(model, [[1, 2, 3], [4, 5], [1, 2, 3]], S.Policy(), max_new_tokens=4, max_num_seqs=2)
+    assert len(set(map(len, ro.exit_loops))) == 1 and len(set(sum(ro.exit_loops, []))) > 1  # readouts at two loops
+    rnd = random.Random(how)
+    for _ in range(3):
+        text, i = _break(json.loads(S.schedule_to_json(ro.schedule)), ro, how, rnd)
+        with pytest.raises(error, match=re.escape(needle.format(i=i))):
+            S.replay_logprobs(model, dataclasses.replace(ro, schedule=S.schedule_from_json(text)))
 
 
 @examples(15)
