@@ -731,6 +731,7 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
+    check: Callable | None = field(default=None, repr=False, compare=False)  # an outside one's: (schedule, ro)
 
 
 @dataclass
@@ -952,6 +953,8 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     the cache has another length: no matter, a row reads nothing past its own position."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
+    if ro.schedule.check is not None:  # from outside (`schedule_from_json`): its readouts are ro's tokens
+        ro.schedule.check(ro.schedule, ro)
     with torch.no_grad():
         tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
     return (tok.cpu(), ext.cpu()) if with_exits else tok.cpu()
@@ -1774,6 +1777,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         side = path.with_name("tokenizer_config.json")  # the chat template and the special tokens, when present
         self.config = _load_json_limited(_read_text(side, "tokenizer config"), side) if side.exists() else {}
+        self.config_file = side  # named by the chat template's errors
         if not isinstance(self.config, dict):
             raise ValueError(f"{side}: must be a JSON object")
         self.token_id = self._tok.token_to_id  # text -> its id, None if not one token (<|im_end|>, ...)
@@ -1806,18 +1810,29 @@ def chat_renderer(tok, thinking: bool = False) -> Callable[[str], str]:
     env.globals.update(raise_exception=raise_exception, strftime_now=time.strftime)
     specials = {k: v.get("content") if isinstance(v, dict) else v for k, v in tok.config.items() if k[-6:] == "_token"}
     specials = {k: v for k, v in specials.items() if isinstance(v, str)}  # bos_token, eos_token, ... as HF passes
+    where = f"{getattr(tok, 'config_file', 'tokenizer_config.json')}: its chat template"
+
+    def failed(e: Exception) -> ValueError:  # any error a template raises (its own, jinja2's, its sandbox's, Python's)
+        first = (str(e) or type(e).__name__).strip().splitlines()[0][:200]
+        return ValueError(f"{where} failed ({type(e).__name__}: {first})")
+
     try:
         compiled = env.from_string(template)
-    except TemplateError as e:
-        raise ValueError(f"the checkpoint's chat template: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- a template is code: whatever it raises is the template's error
+        raise failed(e) from None
 
     def render(question: str) -> str:
         kw = dict(messages=[{"role": "user", "content": question}], tools=None, documents=None, **specials)
-        text = compiled.render(add_generation_prompt=True, **kw, **({"enable_thinking": True} if thinking else {}))
-        if thinking and text == compiled.render(add_generation_prompt=True, **kw) and not text.endswith("<think>\n"):
+        try:
+            text = compiled.render(add_generation_prompt=True, **kw, **({"enable_thinking": True} if thinking else {}))
+            plain = compiled.render(add_generation_prompt=True, **kw) if thinking else None
+        except Exception as e:  # noqa: BLE001 -- raise_exception, an undefined attribute, 1 / 0, range(10**9) (the
+            raise failed(e) from None  # sandbox's MAX_RANGE), a private attribute the sandbox blocks: one line
+        if thinking and text == plain and not text.endswith("<think>\n"):
             text += "<think>\n"  # NOTE: the template ignores enable_thinking (as Ouro-1.4B-Thinking's is reported to)
         return text
 
+    render("What is 2 + 3?")  # once, at setup: a template that fails fails before any work
     return render
 
 
@@ -2076,6 +2091,10 @@ def evaluate(
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 MAX_BATCH = 4096  # the bench draws this many prompts at most
+# NOTE: sigmoid(-40) is 4e-18, below any dtype's step from 1: a gate bias past +-1e4 means nothing more, and 1e308
+# (past float32's and bfloat16's 3.4e38) fills the gate with inf. A petabyte is more memory than any one machine.
+GATE_BIAS_MAX, MEMORY_GB_MAX = 1e4, 1e6
+BENCH_PROMPT_MAX = 16  # the bench's prompts are 8..16 tokens (and --cache-prompt's)
 DEVICE = r"auto|cpu|cuda(:\d{1,3})?"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 HELP = argparse.ArgumentDefaultsHelpFormatter  # every command's --help shows every default
@@ -2719,20 +2738,103 @@ def schedule_to_json(schedule: Schedule) -> str:
     return json.dumps(d | {"calls": [dataclasses.asdict(c) for c in schedule.calls]})
 
 
+CALL_KEYS = ("rows", "readout", "share", "enter")  # a call's fields in JSON: lists of [b, p, r] or of pairs
+
+
+def _json_tuples(i: int, call: dict, key: str) -> list[tuple[int, ...]]:
+    """Call i's `key` (missing: []): a list of [b, p, r] (rows, readout) or pairs of integers >= 0 (not bools)."""
+    items, what = call.get(key, []), {"share": "[dst, src]", "enter": "[b, s]"}.get(key, "[b, p, r]")
+    if not isinstance(items, list):
+        raise ValueError(f"call {i}: {key!r} must be a list of {what}, got {json.dumps(items)[:80]}")
+    for j, item in enumerate(items):
+        if not isinstance(item, list) or len(item) != len(what.split(",")) or not all(_is_index(x) for x in item):
+            raise ValueError(f"call {i}: {key!r}[{j}] must be {what} integers >= 0, got {json.dumps(item)[:80]}")
+    return [tuple(item) for item in items]
+
+
+def _is_index(x) -> bool:
+    return type(x) is int and x >= 0  # JSON's true is no index
+
+
+def _schedule_policy(d: dict) -> Policy:
+    """The schedule's Policy fields (missing: defaults), each of its field's JSON type, then `Policy`'s own checks."""
+    kw = {}
+    for f in dataclasses.fields(Policy):
+        if f.name not in d:
+            continue
+        v, default = d[f.name], f.default
+        if isinstance(default, tuple):  # stop_ids: a list of ids
+            ok = isinstance(v, list) and all(_is_index(x) for x in v)
+            v = tuple(v) if ok else v
+        elif isinstance(default, str):
+            ok = isinstance(v, str)
+        elif isinstance(default, int):
+            ok = type(v) is int
+        else:  # a float, or (exit_threshold) None
+            ok = _is_finite_number(v) or (v is None and default is None)
+        if not ok:
+            raise ValueError(f"schedule: {f.name!r} must be a {type(default).__name__}, got {json.dumps(v)[:80]}")
+        kw[f.name] = v
+    return Policy(**kw)
+
+
 def schedule_from_json(text: str) -> Schedule:
-    """A schedule written by `schedule_to_json` (missing keys: defaults), its calls' pairs checked on reading."""
-    d = json.loads(text)
-    calls = [Call(*([*map(tuple, c.get(k, []))] for k in ("rows", "readout", "share", "enter"))) for c in d["calls"]]
-    for i, c in enumerate(calls):
-        bad_share = any(len(pair) != 2 or pair[0] == pair[1] or min(pair) < 0 for pair in c.share)  # (dst, src)
-        bad_enter = any(len(pair) != 2 or min(pair) < 0 for pair in c.enter) or (i == 0 and not c.enter)
-        bad_rows = not c.rows or c.rows != sorted(set(c.rows)) or any(len(row) != 3 for row in c.rows)
-        if bad_rows or not set(c.readout) <= set(c.rows) or bad_share or bad_enter:
-            msg = "bad rows (sorted, unique (b, p, r)), readout, share (dst != src) or enter ((b, s); call 0 seats)"
-            raise ValueError(f"call {i}: {msg}")
-    d["stop_ids"] = tuple(d.get("stop_ids", ()))  # JSON has lists, a Policy tuples
-    policy = Policy(**{f.name: d[f.name] for f in dataclasses.fields(Policy) if f.name in d})
-    return Schedule(calls, policy, d["dtype"], d["loops"])
+    """A schedule written by `schedule_to_json` (missing policy fields and call fields: defaults), its structure and
+    types checked on reading (a ValueError names the call and the field); the replay checks it against the rollout
+    it replays (`check_schedule`)."""
+    d = _load_json_limited(text, "schedule")  # NOTE: depth-limited: json's recursion never overflows
+    if not isinstance(d, dict) or not isinstance(d.get("calls"), list):
+        raise ValueError("schedule: must be a JSON object with a list 'calls'")
+    if d.get("dtype") not in [str(t) for t in DTYPES.values()] or type(d.get("loops")) is not int or d["loops"] < 1:
+        want = f"'dtype' one of {[str(t) for t in DTYPES.values()]} and 'loops' an integer >= 1"
+        raise ValueError(f"schedule: need {want}, got {json.dumps(d.get('dtype'))[:40]}, {json.dumps(d.get('loops'))}")
+    calls = []
+    for i, c in enumerate(d["calls"]):
+        if not isinstance(c, dict) or set(c) - set(CALL_KEYS):
+            raise ValueError(f"call {i}: must be an object with keys among {CALL_KEYS}, got {json.dumps(c)[:80]}")
+        call = Call(*(_json_tuples(i, c, k) for k in CALL_KEYS))
+        if not call.rows or any(a[:2] >= b[:2] or b[2] < 1 for a, b in zip([(-1, -1, 1)] + call.rows, call.rows)):
+            raise ValueError(f"call {i}: 'rows' must be one or more [b, p, r], sorted and unique by (b, p), r >= 1")
+        rows = set(call.rows)
+        if bad := [row for row in call.readout if row not in rows or call.readout.count(row) > 1]:
+            raise ValueError(f"call {i}: 'readout' {list(bad[0])} is not one of the call's rows, or is there twice")
+        if bad := [pair for pair in call.share if pair[0] == pair[1]]:
+            raise ValueError(f"call {i}: 'share' {list(bad[0])} copies a sequence onto itself (dst == src)")
+        if i == 0 and not call.enter:
+            raise ValueError("call 0: 'enter' is empty (the first call seats the sequences)")
+        calls.append(call)
+    schedule = Schedule(calls, _schedule_policy(d), d["dtype"], d["loops"])
+    schedule.check = check_schedule  # from outside: the replay checks it against the rollout
+    return schedule
+
+
+def check_schedule(schedule: Schedule, ro: Rollout) -> None:
+    """An outside schedule against the rollout it replays (`replay_logprobs` calls it for a `schedule_from_json`'s;
+    a rollout's own is right by construction, and training never pays for this): every sequence, slot, position
+    and loop in range, and every token of the mask read out once, at its exit loop, at position prompt_end + t;
+    no other readout. A ScheduleError names the call and the field. NOTE: host-side Python over the calls' rows."""
+    B, R = len(ro.prompts), schedule.loops
+    T = max(len(prompt) + len(c) for prompt, c in zip(ro.prompts, ro.completions))  # ro.tokens()'s
+    exits = {}  # (b, p, e) -> t: the readouts the tokens need
+    for b, (prompt, es) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        exits |= {(b, len(prompt) - 1 + t, e): t for t, e in enumerate(es)}
+    seen = {}  # readout -> its call
+    for i, call in enumerate(schedule.calls):
+        for key, bounds in (("rows", (B, T, R + 1)), ("enter", (B, B)), ("share", (B, B))):
+            for j, item in enumerate(getattr(call, key)):
+                if any(x >= n for x, n in zip(item, bounds)):
+                    what = f"b < B = {B}, p < T = {T}, 1 <= r <= R = {R}" if key == "rows" else f"both < B = {B}"
+                    raise ScheduleError(f"call {i}: {key!r}[{j}] {list(item)} is out of range ({what})")
+        for j, row in enumerate(call.readout):
+            if row not in exits:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} is no masked token's exit at its loop")
+            if row in seen:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} was read out already (call {seen[row]})")
+            seen[row] = i
+    if missing := [row for row in exits if row not in seen]:
+        b, p, e = missing[0]
+        where = f"token {exits[missing[0]]} (position {p}, exit loop {e})"
+        raise ScheduleError(f"schedule: sequence {b}'s {where} is never read out ({len(missing)} tokens are not)")
 
 
 def row_loops(schedule: Schedule) -> int:
@@ -3582,6 +3684,21 @@ def _set_gate_bias(model: LoopedLM, bias: float | None) -> None:
             model.model.early_exit_gate.bias.fill_(bias)
 
 
+def _check_bench_positions(args, cfg: Config, real: bool) -> None:
+    """Every sequence the bench runs fits the model's positions, checked once its config is read, before any work."""
+    P = cfg.max_position_embeddings
+    if BENCH_PROMPT_MAX + args.new_tokens > P:
+        raise ValueError(
+            f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}, "
+            "the model's max_position_embeddings"
+        )
+    if not real and args.cache_prompt + args.cache_tokens > P:  # (--model: the cache test runs the short prompt)
+        raise ValueError(
+            f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}, "
+            "the model's max_position_embeddings"
+        )
+
+
 class _BenchSetup:
     """What every measurement of `bench` shares: flags, config, prompts, the machine's figures, (toy) the weights."""
 
@@ -3590,10 +3707,11 @@ class _BenchSetup:
         auto = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device = torch.device(auto if args.device == "auto" else args.device)
         self.cfg = cfg = load_config(Path(args.model) / "config.json" if self.real else args.config)
+        _check_bench_positions(args, cfg, self.real)
         self.dtypes = ("bfloat16", "float32") if args.dtype == "both" else (args.dtype,)
         self.batches = (args.batch,) if args.batch else ((1,) if self.real else (1, 8))
         gen, V = torch.Generator().manual_seed(args.seed), min(256, cfg.vocab_size)
-        lengths = torch.randint(8, 17, (max(8, *self.batches),), generator=gen)
+        lengths = torch.randint(8, BENCH_PROMPT_MAX + 1, (max(8, *self.batches),), generator=gen)
         self.prompts = [torch.randint(0, V, (int(n),), generator=gen).tolist() for n in lengths]  # short ones
         self.cache_prompt = torch.randint(0, V, (args.cache_prompt,), generator=gen).tolist()  # the cache test's
         self.bandwidth = copy_bandwidth(device)  # bytes/s; before any model, so its buffers count in no peak
@@ -3930,10 +4048,10 @@ class BenchFlags:
         "the short bench prompt is measured too", within=(1, MAX_COUNT))
     repeats: int = _flag(3, "alternating repeats (medians are reported)", within=(1, MAX_COUNT))
     gate_bias: float | None = _flag(None, "set the exit gate's bias (default: 1.0 on the random model, the "
-        "checkpoint's own with --model)", within=(-math.inf, math.inf))
+        "checkpoint's own with --model)", within=(-GATE_BIAS_MAX, GATE_BIAS_MAX))
     exit_threshold: float | None = _flag(None, "exit threshold (default: the config's)", within=(0.0, math.inf))
     memory_gb: float | None = _flag(None, "memory for the KV-cache fit (default: the GPU's, or this machine's "
-        "physical memory)", within=(0.0, math.inf, "()"))
+        "physical memory)", within=(0.0, MEMORY_GB_MAX, "(]"))
     seed: int = _flag(0, "seed of weights, prompts and sampling", within=(0, MAX_SEED))
     plan_sequences: int = _flag(64, "the memory plan's GRPO step: sequences (one process)", within=(1, MAX_COUNT))
     plan_prompt_len: int = _flag(256, "the memory plan's prompt positions", within=(1, MAX_COUNT))

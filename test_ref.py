@@ -37,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -1271,6 +1272,75 @@ def test_schedule_json_refuses_a_bad_share_pair():
     for bad in ({"enter": []}, {"enter": [[0, -1]]}, {"rows": [[0, 0]]}, {"rows": [[1, 0, 1], [0, 0, 1]]}):
         with pytest.raises(ValueError, match="enter|rows"):  # call 0 seats nobody, a negative slot, pairs, unsorted
             S.schedule_from_json(json.dumps(d | {"calls": [call | bad]}))
+
+
+def _break(d: dict, ro, how: str, rnd) -> str:
+    """Schedule JSON `d` (a rollout `ro`'s) broken one way `how`: the JSON text, and the call it breaks."""
+    calls = d["calls"]
+    readouts = [(i, j) for i, c in enumerate(calls) for j in range(len(c["readout"]))]
+    i = rnd.randrange(len(calls))
+    if how == "no calls":
+        del d["calls"]
+    elif how == "deep":
+        return json.dumps(d).replace('"calls": [', '"calls": ' + "[" * 100, 1)[:-1] + "]" * 99 + "}", i
+    elif how == "position null":
+        calls[i]["rows"][-1][1] = None
+    elif how == "slot 1.0":
+        calls[0]["enter"][-1][1] = 1.0
+    elif how == "loop true":
+        calls[i]["rows"][0][2] = True
+    elif how == "rows a string":
+        calls[i]["rows"] = "0 0 1"
+    elif how == "position past T":
+        row = calls[i]["rows"][-1]
+        calls[i]["readout"] = [x for x in calls[i]["readout"] if x != row]
+        row[1] = len(ro.tokens()[0]) + rnd.randrange(3)
+    elif how == "slot past B":
+        calls[0]["enter"][-1][1] = len(ro.prompts)
+    elif how == "readout removed":
+        i, j = rnd.choice(readouts)
+        calls[i]["readout"].pop(j)
+    elif how == "readout twice":
+        i, j = rnd.choice(readouts)
+        calls[i]["readout"].append(calls[i]["readout"][j])
+    elif how == "readout at another loop":  # the same (b, p) read out where another call runs it at another loop
+        i, j = rnd.choice(readouts)
+        row = calls[i]["readout"].pop(j)
+        i = next(k for k, c in enumerate(calls) for x in c["rows"] if x[:2] == row[:2] and x[2] != row[2])
+        calls[i]["readout"].append(next(x for x in calls[i]["rows"] if x[:2] == row[:2]))
+    return json.dumps(d), i
+
+
+BROKEN = [
+    ("no calls", ValueError, "'calls'"),
+    ("deep", ValueError, "nested deeper"),
+    ("position null", ValueError, "call {i}: 'rows'"),
+    ("slot 1.0", ValueError, "call 0: 'enter'"),
+    ("loop true", ValueError, "call {i}: 'rows'"),
+    ("rows a string", ValueError, "call {i}: 'rows'"),
+    ("position past T", S.ScheduleError, "call {i}: 'rows'"),
+    ("slot past B", S.ScheduleError, "call 0: 'enter'"),
+    ("readout removed", S.ScheduleError, "never read out"),
+    ("readout twice", ValueError, "call {i}: 'readout'"),
+    ("readout at another loop", S.ScheduleError, "call {i}: 'readout'"),
+]
+
+
+@pytest.mark.parametrize("how,error,needle", BROKEN, ids=[b[0] for b in BROKEN])
+def test_a_broken_schedule_from_json_is_refused_naming_the_call(how, error, needle):
+    """A schedule handed over as JSON (`schedule_from_json`, then `replay_logprobs`) that is broken (a key missing,
+    nesting past the limit, a null, a float or a bool for an index, a position past T, a slot past B, a readout
+    removed, doubled or at another loop than the token's exit) is refused with a ValueError on reading or a
+    ScheduleError before the replay computes, naming the call and the field: never a TypeError, an IndexError, a
+    RecursionError, nor other numbers without a word."""
+    model = S.LoopedLM(S.load_config(TINY_JSON), seed=0)
+    ro = S.rollout(model, [[1, 2, 3], [4, 5], [1, 2, 3]], S.Policy(), max_new_tokens=4, max_num_seqs=2)
+    assert len(set(map(len, ro.exit_loops))) == 1 and len(set(sum(ro.exit_loops, []))) > 1  # readouts at two loops
+    rnd = random.Random(how)
+    for _ in range(3):
+        text, i = _break(json.loads(S.schedule_to_json(ro.schedule)), ro, how, rnd)
+        with pytest.raises(error, match=re.escape(needle.format(i=i))):
+            S.replay_logprobs(model, dataclasses.replace(ro, schedule=S.schedule_from_json(text)))
 
 
 @examples(15)
@@ -4422,6 +4492,32 @@ def test_stop_ids_from_generation_config(tmp_path, generation_eos, flags, expect
     assert tok.stop_ids == expect and tok.eos_id == expect[0] and (tok.chat is not None) == ("prompt_format" in flags)
 
 
+@pytest.mark.parametrize(
+    "template,error",
+    [
+        ("{{ raise_exception('no system role') }}", "TemplateError: no system role"),
+        ("{{ messages[0].content.foo.bar }}", "UndefinedError"),
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),  # the sandbox's MAX_RANGE
+        ("{{ ''.__class__.__mro__ }}", "SecurityError"),  # a private attribute, blocked by the sandbox
+        ("{% if %}", "TemplateSyntaxError"),
+    ],
+)
+def test_a_chat_template_that_fails_is_one_line_before_any_work(tmp_path, capsys, template, error):
+    """A checkpoint's chat template is code: whatever it raises (its own raise_exception, jinja2's errors, its
+    sandbox's, Python's) is one line naming tokenizer_config.json, exit 2, before any training step."""
+    path = _chat_checkpoint(tmp_path / "m", template=template)
+    with pytest.raises(ValueError, match=re.escape(error)):  # rendered once as the renderer is made: at setup
+        S.chat_renderer(S.HFTokenizer(path / "tokenizer.json"))
+    argv = _flags(tmp_path, "train")
+    argv[argv.index("--config") : argv.index("--config") + 2] = ["--model", str(path), "--prompt-format", "chat"]
+    capsys.readouterr()
+    rc = S.main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and not (tmp_path / "out" / "trainer_state.pt").exists(), out
+    _one_line_error(err, str(path / "tokenizer_config.json") + ": its chat template failed", error)
+
+
 def test_chat_format_needs_a_template(tmp_path, capsys):
     """--prompt-format chat with no template (a checkpoint without one, or a tiny model's byte tokenizer) and
     a generation config's stop id outside the vocabulary are one-line errors, exit 2, nothing written."""
@@ -4547,12 +4643,19 @@ def test_bad_flag_refused_before_any_work(tmp_path, capsys, command, args):
     "flag,value",
     [("--batch", "0"), ("--batch", "5000"), ("--memory-gb", "0"), ("--memory-gb", "nan"), ("--gate-bias", "inf"),
      ("--exit-threshold", "nan"), ("--exit-threshold", "-1"), ("--new-tokens", "0"), ("--model", "/no/such/folder"),
-     ("--max-num-seqs", "-1")],
+     ("--max-num-seqs", "-1"), ("--gate-bias", "1e308"), ("--gate-bias", "-50000"), ("--gate-bias", "3.5e38"),
+     ("--memory-gb", "1e308"), ("--memory-gb", "1e300"),
+     # past bench.json's 512 positions, refused once the config is read: a 10**6-token prompt, --cache-prompt 400 +
+     # the default 128 cache tokens, 2,000 cache tokens (ran past 120 s), 600 new tokens after a 16-token prompt
+     ("--cache-prompt", str(10**6)), ("--cache-prompt", "400"), ("--cache-tokens", "2000"), ("--new-tokens", "600")],
 )  # fmt: skip
 def test_bad_bench_flags_exit_2_before_any_work(capsys, flag, value):
-    """Every bench flag is checked before any loading or measuring: exit 2, one line naming the flag."""
-    rc, err = _run(capsys, ["bench", flag, value])
-    assert rc == 2
+    """Every bench flag is checked before any loading or measuring (the positions once the config is read): exit 2,
+    one line naming the flag, nothing printed."""
+    capsys.readouterr()
+    rc = S.main(["bench", flag, value])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", out
     _one_line_error(err, flag)
 
 
