@@ -11,9 +11,10 @@ its calls. Sequences in flight sit in *slots*; each call advances every one
 by one loop, at its own depth. A rollout records its *schedule* (the ordered
 calls); the replay re-executes it through the same function, so it gets the
 sampler's bits (kernels are picked by shape: the same calls, the same bits).
-The learner takes the value from the replay and the gradient from a dense
-teacher-forced pass: GRPO's first ratios are exactly 1. `numerics="invariant"`
-computes every row alone (slow; how the tests prove the algorithm).
+The learner's value is the sampler's record (GRPO's first ratios are exactly 1
+by construction; the replay audits it) or the replay, its gradient a dense
+teacher-forced pass'. `numerics="invariant"` computes every row alone (slow;
+how the tests prove the algorithm).
 
 Below the banner "THE METHOD ENDS HERE": tooling, which nothing above needs.
 Simplified: one model a process, a dense KV cache, no sliding window, no bias.
@@ -133,6 +134,209 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+# --- Calls: rows, slots and the KV cache (the caller owns positions) -------
+# A *row* (b, p, r) is position p of sequence b at loop r. A *call* runs some rows through all L layers at
+# once, each at its own loop. Sequences in flight sit in *slots* of the cache; K/V of loop r of slot s is
+# cache line (r - 1) * S + s, so one gather serves rows of mixed loops. A row reads its own loop r - 1
+# output (h) and, at loop r, the loop-r K/V of its sequence's positions up to its own; so every call keeps
+# one invariant, which `execute_call` checks: its rows are at depth r - 1, and those K/V exist.
+
+
+class ScheduleError(RuntimeError):
+    """A call breaks what deferral keeps (Contract §4)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
+
+
+@dataclass
+class Call:
+    """Rows (b, p, r) through all L layers, each row at its loop r (a
+    sequence's rows share one). enter: (b, s) pairs seated before the call
+    (`LoopCache.seat`). readout: the rows that exit here and sample a token.
+    share: (dst, src) pairs; after the call, sequence dst's cache becomes
+    src's (a group's prompt, once: `shared_prefix`)."""
+
+    rows: list[tuple[int, int, int]]
+    readout: list[tuple[int, int, int]] = field(default_factory=list)
+    share: list[tuple[int, int]] = field(default_factory=list)
+    enter: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class LoopCache:
+    """S slots, each a sequence in flight, of T positions. k, v: [layer]
+    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
+    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
+    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
+    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    h: Tensor
+    depth: Tensor
+    S: int
+    R: int
+    slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
+    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
+
+    @classmethod
+    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
+        cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
+        shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
+        new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
+        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache
+        k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
+        h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
+
+    def seat(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (b, s): sequence b takes slot s, once; the slot starts empty
+        (depth 0: an earlier sequence's K/V there is masked, never attended)."""
+        for b, s in pairs:
+            if b in self.slot_of or not 0 <= s < self.S:
+                raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
+            self.slot_of[b], self.holder[s] = s, b
+        self.depth[[s for _, s in pairs]] = 0
+
+    def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
+        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
+        dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
+        for t in self.k + self.v:
+            lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
+            lines[:, dst] = lines[:, src]
+        self.depth[dst] = self.depth[src]
+
+
+# Static numerics (CUDA graphs need few call shapes): every size of a call is a `bucket`, with padding rows
+# (zeros at position 0) and padding lanes. NOTE: no padding reaches a real row's value. Linear layers and
+# norms map each row alone; a padding row writes only the scratch line -1, which only padding lanes read; a
+# real row's keys past its position (stale or padding) get softmax weight exactly 0, and 0 x v adds exactly 0
+# as every stored value is finite (the cache starts at zeros); a padding row has key 0, so no softmax is over
+# all -inf. The replay pads alike: the same calls, the same bits.
+def bucket(n: int) -> int:
+    """A static size >= n: a power of two to 128, then a multiple of 128."""
+    return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
+
+
+@dataclass
+class Grid:
+    """Some of a call's rows packed for attention: Bc lanes (a sequence each) of Tq
+    columns. Attention is per lane: a row attends to its lane's cache line only."""
+
+    rows: Tensor  # (m,) long: the model's rows here, lane by lane
+    lane: Tensor  # (m,) each row's lane
+    col: Tensor  # (m,) and its column
+    kv: Tensor  # (Bc,) the cache line each lane reads
+    pos: Tensor  # (Bc, Tq) each cell's position (padding: 0)
+    Tk: int  # keys 0 .. Tk - 1: the last position + 1
+
+    @staticmethod
+    def of(lanes: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
+        """lanes: (cache line, positions, the rows' indices), one a sequence ->
+        the grid's lists (rows, lane, col, kv, pos) and its shape (Bc, Tq, Tk).
+        static: each size its `bucket`; padding lanes read the cache's scratch
+        line -1, and padding rows (indices from `pad`) fill free cells."""
+        Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
+        Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
+        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
+        if static:
+            Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
+        rows, lane, col, pos, free = [], [], [], [], []
+        for i, (_, ps, index) in enumerate(lanes + [(-1, [], [])] * (Bc - len(lanes))):
+            rows += index
+            lane += [i] * len(ps)
+            col += range(len(ps))
+            pos += ps + [0] * (Tq - len(ps))
+            free += [(i, j) for j in range(len(ps), Tq)]
+        for (i, j), _ in zip(free, range(m_pad - m)):  # static: padding rows
+            rows, lane, col = rows + [next(pad)], lane + [i], col + [j]
+        kv = [k for k, _, _ in lanes] + [-1] * (Bc - len(lanes))
+        # The mask of a lane with rows at pos 3 and 4 (Tk 5; x: may attend):
+        #   pos 3:  x x x x .    earlier positions come from the cache,
+        #   pos 4:  x x x x x    the row itself from this call
+        return [rows, lane, col, kv, pos], (Bc, Tq, Tk)
+
+
+@dataclass
+class Rows:
+    """A call's rows (b, p, r) as the model's inputs. Every row shares every
+    matmul; attention reads grids: each sequence's rows form a lane, and lanes of
+    one row (decoding) and of several (a prompt, rows riding along) pack apart,
+    so neither pads to the other. Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
+
+        grid  lane  b  r   col 0   col 1
+          0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
+          0     1   5  3   pos 9
+          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5
+
+    A lane reads and writes its row's cache line (r - 1) * S + s. `static`:
+    every size a `bucket`, `pad` more rows (zeros at position 0, writing the
+    scratch line). Built on the host, sent at once: nothing is read back."""
+
+    rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
+    slot_of: dict[int, int]  # sequence -> its slot
+    S: int  # slots
+    static: bool
+    seq: Tensor  # (n,) long, and likewise:
+    pos: Tensor
+    loop: Tensor
+    slot: Tensor
+    lane_slot: Tensor  # (lanes,) its slot, loop, last position
+    lane_loop: Tensor
+    lane_last: Tensor
+    kv: Tensor  # (n + pad,) the cache line a model row writes
+    kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
+    unorder: Tensor  # (n + pad,) the grids' rows back in order
+    in_order: bool  # one grid in order: no `unorder`
+    grids: list[Grid]
+    pad: int
+    flat: Tensor  # the model's inputs (kv ... grids: views)
+    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
+        if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
+            raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
+        lanes = {}  # b -> (its loop, positions, row indices)
+        for i, (b, p, r) in enumerate(rows):
+            loop, ps, index = lanes.setdefault(b, (r, [], []))
+            if loop != r or r < 1:
+                raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1")
+            ps.append(p)
+            index.append(i)
+        per_lane = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]  # slot, loop, last
+        kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lanes.items()}
+        pad, parts, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
+        for alone in (True, False):  # lanes of one row, then lanes of several
+            some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == alone]
+            if some:
+                grid, shape = Grid.of(some, static, pad)
+                parts, shapes = parts + grid, shapes + [shape]
+        order, (seq, pos, loop) = list(itertools.chain(*parts[::5])), map(list, zip(*rows))
+        n, n_pad = len(rows), len(order)  # n + pad
+        # the model's inputs first: their layout is the shape's (`CallGraphs`)
+        model_in = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
+        model_in += [sorted(range(n_pad), key=order.__getitem__)] + parts
+        parts = model_in + [seq, pos, loop, [slot_of[b] for b in seq]] + list(zip(*per_lane))  # one transfer
+        tensors = torch.tensor(list(itertools.chain(*parts))).to(device).split(list(map(len, parts)))
+        grids = []
+        for i, (Bc, Tq, Tk) in enumerate(shapes):
+            g_rows, lane, col, g_kv, pos = tensors[3 + 5 * i : 8 + 5 * i]
+            grids.append(Grid(g_rows, lane, col, g_kv, pos.view(Bc, Tq), Tk))
+        in_order = len(grids) == 1 and order == list(range(n_pad))
+        flat = tensors[0]._base[: sum(map(len, model_in))]
+        rest = tensors[len(model_in) :]  # per row, then per lane
+        return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
+
+    def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
+        if (i.start, i.stop) not in self.alone:
+            self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
+        return self.alone[i.start, i.stop]
+
+
 # --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) --------
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
@@ -162,135 +366,6 @@ def recomputed(fn: Callable, redo: bool, *args):
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
 
 
-class ScheduleError(RuntimeError):
-    """A call breaks what deferral keeps (Contract §4)."""
-
-
-class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
-
-
-def bucket(n: int) -> int:
-    """A static size >= n: a power of two to 128, then a multiple of 128."""
-    return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
-
-
-@dataclass
-class Grid:
-    """Some lines of a call, packed for attention: Bc lines of Tq columns."""
-
-    rows: Tensor  # (m,) long: the model's rows here, line by line
-    line: Tensor  # (m,) each row's line
-    col: Tensor  # (m,) and its column
-    kv: Tensor  # (Bc,) the cache line each line reads
-    pos: Tensor  # (Bc, Tq) each cell's position (padding: 0)
-    Tk: int  # keys 0 .. Tk - 1: the last position + 1
-
-    @staticmethod
-    def of(lines: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
-        """lines: (cache line, positions, the rows' indices), one a sequence ->
-        the grid's lists (rows, line, col, kv, pos) and its shape (Bc, Tq, Tk).
-        static: each size its `bucket`; padding lines read the cache's scratch
-        line -1, and padding rows (indices from `pad`) fill free cells."""
-        Bc, Tq = len(lines), max(len(ps) for _, ps, _ in lines)
-        Tk, m = max(ps[-1] for _, ps, _ in lines) + 1, sum(len(ps) for _, ps, _ in lines)
-        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
-        if static:
-            Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
-        rows, line, col, pos, free = [], [], [], [], []
-        for i, (_, ps, index) in enumerate(lines + [(-1, [], [])] * (Bc - len(lines))):
-            rows += index
-            line += [i] * len(ps)
-            col += range(len(ps))
-            pos += ps + [0] * (Tq - len(ps))
-            free += [(i, j) for j in range(len(ps), Tq)]
-        for (i, j), _ in zip(free, range(m_pad - m)):  # static: padding rows
-            rows, line, col = rows + [next(pad)], line + [i], col + [j]
-        kv = [k for k, _, _ in lines] + [-1] * (Bc - len(lines))
-        # The mask of a line with rows at pos 3 and 4 (Tk 5; x: may attend):
-        #   pos 3:  x x x x .    earlier positions come from the cache,
-        #   pos 4:  x x x x x    the row itself from this call
-        return [rows, line, col, kv, pos], (Bc, Tq, Tk)
-
-
-@dataclass
-class Rows:
-    """A call's rows (b, p, r) as tensors, and their attention grids. Each
-    sequence's rows form a line; lines of one row (decoding) and of several (a
-    prompt, rows riding along) pack apart, so neither pads to the other.
-    Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3) pack as
-
-        grid  line  b  r   col 0   col 1
-          0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
-          0     1   5  3   pos 9
-          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5
-
-    A row reads and writes loop r's K/V of its slot s: cache line (r - 1) * S
-    + s (`LoopCache`): one gather serves mixed loops. `static` (CUDA graphs):
-    every size a `bucket`, `pad` more rows (zeros at position 0, writing the
-    scratch line). Built on the host, sent at once: nothing is read back."""
-
-    rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
-    slot_of: dict[int, int]  # sequence -> its slot
-    S: int  # slots
-    static: bool
-    seq: Tensor  # (n,) long, and likewise:
-    pos: Tensor
-    loop: Tensor
-    slot: Tensor
-    line_slot: Tensor  # (lines,) its slot, loop, last position
-    line_loop: Tensor
-    line_last: Tensor
-    kv: Tensor  # (n + pad,) the line a model row writes
-    kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
-    unorder: Tensor  # (n + pad,) the grids' rows back in order
-    in_order: bool  # one grid in order: no `unorder`
-    grids: list[Grid]
-    pad: int
-    flat: Tensor  # the model's inputs (kv ... grids: views)
-    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
-
-    @classmethod
-    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
-        if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
-            raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
-        lines = {}  # b -> (its loop, positions, row indices)
-        for i, (b, p, r) in enumerate(rows):
-            loop, ps, index = lines.setdefault(b, (r, [], []))
-            if loop != r or r < 1:
-                raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1")
-            ps.append(p)
-            index.append(i)
-        per_line = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lines.items()]  # slot, loop, last
-        kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lines.items()}
-        pad, parts, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
-        for alone in (True, False):  # lines of one row, then lines of several
-            some = [(kv[b], ps, ix) for b, (_, ps, ix) in lines.items() if (len(ps) == 1) == alone]
-            if some:
-                grid, shape = Grid.of(some, static, pad)
-                parts, shapes = parts + grid, shapes + [shape]
-        order, (seq, pos, loop) = list(itertools.chain(*parts[::5])), map(list, zip(*rows))
-        n, n_pad = len(rows), len(order)  # n + pad
-        # the model's inputs first: their layout is the shape's (`CallGraphs`)
-        model_in = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        model_in += [sorted(range(n_pad), key=order.__getitem__)] + parts
-        parts = model_in + [seq, pos, loop, [slot_of[b] for b in seq]] + list(zip(*per_line))  # one transfer
-        tensors = torch.tensor(list(itertools.chain(*parts))).to(device).split(list(map(len, parts)))
-        grids = []
-        for i, (Bc, Tq, Tk) in enumerate(shapes):
-            g_rows, line, col, g_kv, pos = tensors[3 + 5 * i : 8 + 5 * i]
-            grids.append(Grid(g_rows, line, col, g_kv, pos.view(Bc, Tq), Tk))
-        in_order = len(grids) == 1 and order == list(range(n_pad))
-        flat = tensors[0]._base[: sum(map(len, model_in))]
-        rest = tensors[len(model_in) :]  # per row, then per line
-        return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
-
-    def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
-        if (i.start, i.stop) not in self.alone:
-            self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
-        return self.alone[i.start, i.stop]
-
-
 class Attention(nn.Module):
     """Causal GQA attention of a call's rows; their K/V, read and written."""
 
@@ -313,7 +388,7 @@ class Attention(nn.Module):
         v_cache[rows.kv, :, rows.kv_pos] = self.v_proj(x).view(n, KVH, D)
         out = []
         for g in rows.grids:
-            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each line's loop
+            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each lane's cache line
             V = v_cache[g.kv, :, : g.Tk]
             qg = q if rows.in_order else q[g.rows]  # (m, H, D)
             out.append(recomputed(self.attend, redo, qg, K, V, g))
@@ -327,17 +402,17 @@ class Attention(nn.Module):
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        if Tq == 1:  # one row a line: the rows are the grid
+        if Tq == 1:  # one row a lane: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
             qp = q.new_zeros(Bc, Tq, H, D)
-            qp[g.line, g.col] = q  # (Bc, Tq, H, D)
+            qp[g.lane, g.col] = q  # (Bc, Tq, H, D)
         qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
         att = att.masked_fill(masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
         y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
-        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.line, g.col]  # padding dropped
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding dropped
         return self.o_proj(y.reshape(m, H * D))
 
 
@@ -384,17 +459,13 @@ class LoopedLM(nn.Module):
         self.config = cfg
         self.model = OuroBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)  # not the global RNG
-        for name, param in self.named_parameters():
-            if param.is_meta:  # shapes only, filled from a checkpoint
-                break
-            if "layernorm" in name or name == "model.norm.weight":
-                continue  # norms start at 1
-            init = torch.zeros(param.shape)  # biases start at 0
-            if param.dim() > 1:
-                init = torch.randn(param.shape, generator=gen) * cfg.initializer_range
+        gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms start at 1
+        for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: a checkpoint's
             with torch.no_grad():
-                param.copy_(init)
+                if param.dim() > 1:
+                    param.copy_(torch.randn(param.shape, generator=gen) * cfg.initializer_range)
+                elif name.endswith("bias"):
+                    param.zero_()
         self._rope: dict = {}
         self.grad_checkpoint = False  # recompute teacher forcing in backward
         self.call_graphs = None  # CUDA graphs (`CallGraphs`, tooling)
@@ -431,6 +502,53 @@ class LoopedLM(nn.Module):
     def readout(self, h: Tensor, numerics: str = "fast") -> Tensor:
         """h (n, C) -> logits (n, V) in the model dtype."""
         return by_rows(numerics, self.lm_head, h)
+
+
+# --- Executing a call -----------------------------------------------------
+
+
+def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
+    """The ONE function rollouts, replays and teacher forcing compute with:
+    updates the cache; returns each row's loop output h (n, C), and the Rows.
+    NOTE: same call, cache and numerics => same bits: replay rests on this."""
+    cache.seat(call.enter)
+    seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
+    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
+        raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
+    rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
+    seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
+    # Deferral's invariant: rows at depth r - 1; every K/V they attend to exists.
+    late = (cache.depth[slot, pos] != r - 1).sum()
+    x = cache.h[slot, pos]  # (n, C): loop r-1's output
+    if 1 in loops:  # loop 1 starts from the embedding
+        x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
+    cache.depth[slot, pos] = r
+    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
+    missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
+    if late + missing:  # one read back per call
+        raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
+    x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
+    h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
+    cache.h[slot, pos] = h
+    if call.share:
+        cache.copy_sequences(call.share)
+    return h, rows
+
+
+class ExactKV:
+    """The method's KV policy (Contract §4): every K/V attended to is exact. Its hooks
+    are for other engines' policies, to check them (`LastExitedKV`, not the method)."""
+
+    prefill_all_loops = False  # does the prefill run every loop?
+
+    def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
+        """After a call's readout (a KV-copy policy copies K/V; the exact: nothing)."""
+
+    def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
+        return True  # teacher forcing runs loop r of position p (exit e)
+
+
+KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
 # --- Exit rule --------------------------------------------------------------
@@ -510,113 +628,6 @@ def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tens
         out = torch.where(exits > r, out + stay[..., r - 1], out)  # survived loop r
         out = torch.where(exits == r, out + go[..., r - 1], out)  # exited at loop r
     return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
-
-
-# --- KV cache and calls (the caller owns positions) -------------------------
-@dataclass
-class LoopCache:
-    """S slots, each a sequence in flight, of T positions. k, v: [layer]
-    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
-    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
-    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
-    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
-
-    k: list[Tensor]
-    v: list[Tensor]
-    h: Tensor
-    depth: Tensor
-    S: int
-    R: int
-    slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
-    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
-
-    @classmethod
-    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
-        cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
-        shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
-        new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # a graph holds it
-        k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
-        h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
-
-    def seat(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (b, s): sequence b takes slot s, once; the slot starts empty
-        (depth 0: an earlier sequence's K/V there is masked, never attended)."""
-        for b, s in pairs:
-            if b in self.slot_of or not 0 <= s < self.S:
-                raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
-            self.slot_of[b], self.holder[s] = s, b
-        self.depth[[s for _, s in pairs]] = 0
-
-    def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
-        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
-        dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
-        for t in self.k + self.v:
-            lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
-            lines[:, dst] = lines[:, src]
-        self.depth[dst] = self.depth[src]
-
-
-@dataclass
-class Call:
-    """Rows (b, p, r) through all L layers, each row at its loop r (a
-    sequence's rows share one). enter: (b, s) pairs seated before the call
-    (`LoopCache.seat`). readout: the rows that exit here and sample a token.
-    share: (dst, src) pairs; after the call, sequence dst's cache becomes
-    src's (a group's prompt, once: `shared_prefix`)."""
-
-    rows: list[tuple[int, int, int]]
-    readout: list[tuple[int, int, int]] = field(default_factory=list)
-    share: list[tuple[int, int]] = field(default_factory=list)
-    enter: list[tuple[int, int]] = field(default_factory=list)
-
-
-def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
-    """The ONE function rollouts, replays and teacher forcing compute with:
-    updates the cache; returns each row's loop output h (n, C), and the Rows.
-    NOTE: same call, cache and numerics => same bits: replay rests on this."""
-    cache.seat(call.enter)
-    seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
-    if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
-        raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
-    rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
-    seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V they attend to exists.
-    late = (cache.depth[slot, pos] != r - 1).sum()
-    x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if 1 in loops:  # loop 1 starts from the embedding
-        x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
-    cache.depth[slot, pos] = r
-    needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.line_last[:, None]
-    missing = (needed & (cache.depth[rows.line_slot] < rows.line_loop[:, None])).sum()
-    if late + missing:  # one read back per call
-        raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
-    x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
-    h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
-    cache.h[slot, pos] = h
-    if call.share:
-        cache.copy_sequences(call.share)
-    return h, rows
-
-
-class ExactKV:
-    """The method's KV policy (Contract §4): every K/V attended to is exact.
-    Its hooks are for other engines' policies, to check them (`LastExitedKV`,
-    below the banner: not the method)."""
-
-    prefill_all_loops = False  # does the prefill run every loop?
-
-    def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
-        """After a call's readout (a KV-copy policy copies K/V; the exact: nothing)."""
-
-    def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
-        """Does teacher forcing run loop r of position p (exit e)? Yes."""
-        return True
-
-
-KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
 # --- The policy: log-probabilities, the readout, sampling -------------------
@@ -775,6 +786,97 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
     return calls if calls[0].rows else []
 
 
+class Seats:
+    """A rollout's sequences on the host: who waits, who sits in which slot, each
+    one's *focus* (its newest position) and the loops the focus has `ran`. The
+    shared prompt, apart from deferral: of a group seated at one call the leader
+    runs the prompt but its end while the others are `held`, then shares it."""
+
+    def __init__(self, prompts: list[list[int]], S: int):
+        self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
+        self.waiting = list(range(len(prompts)))[::-1]  # pop(): the next to enter
+        self.ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
+        self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> leader
+
+    def enter(self) -> list[tuple[int, int]]:
+        """Free slots take the next sequences: (b, s) pairs (`execute_call` seats them)."""
+        enter = [(self.waiting.pop(), s) for s in range(self.S) if s not in self.seat and self.waiting]
+        self.seat |= {s: b for b, s in enter}
+        leader = {}
+        for b, _ in enter:
+            a = leader.setdefault(tuple(self.prompts[b]), b)
+            if a != b and self.ends[b] > 0:
+                self.held[b], self.focus[a] = a, self.ends[a] - 1  # the prompt but its end
+        return enter
+
+    def shared(self, a: int) -> None:
+        """Leader a's prompt is shared: its group goes on, each from its prompt's end."""
+        for b in [a] + [b for b, c in self.held.items() if c == a]:
+            self.focus[b], self.ran[b] = self.ends[b], 0
+            self.held.pop(b, None)
+
+
+@dataclass
+class Tape:
+    """What a rollout records, on the device (t: a completion token's index)."""
+
+    tokens: Tensor  # (B, T) long: the prompts, then each token drawn (its next position's input)
+    prompt_end: Tensor  # (B,) each prompt's last position: row (b, p) makes token p - prompt_end[b]
+    completions: Tensor  # (B, N) token ids
+    exits: Tensor  # (B, N) long exit loops; 0: none yet
+    logprobs: Tensor  # (B, N) acc_dtype
+    gates: Tensor  # (B, N, R) the deciding rows' gate logits
+    stop_ids: Tensor  # (k,) long
+
+
+def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, gates, numerics: str):
+    """A call's rows that decide (`decides_exit`) and their gate logits, written into gates (B, N, R):
+    (dec, b, t, r, g), (n_dec,) each, or None. NOTE: the rollout (exits 0 while undecided) and the
+    replay (recorded exits e: loops 1..e decide again) pass the same rows: the same deciders, bits."""
+    dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
+    if not dec.numel():
+        return None
+    b, r = rows.seq[dec], rows.loop[dec]  # (n_dec,) each
+    t = rows.pos[dec] - prompt_end[b]  # and their tokens
+    gates[b, t, r - 1] = g = model.gate_logits(h[dec], numerics)  # (n_dec,)
+    return dec, b, t, r, g
+
+
+def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
+    """3) A call's deciding rows choose, by the exit rule or by a draw: their gates and exits (0: not
+    yet) go on the tape. Returns the rows that exit: they read out."""
+    decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
+    if decided is None:
+        return []
+    (dec, b, t, r, g), R = decided, model.config.total_ut_steps
+    deciders = [call.rows[i] for i in dec.tolist()]
+    if policy.exit_policy == "sampled":
+        draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]
+        e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, h.device))
+    else:
+        e = exit_loops(tape.gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
+    tape.exits[b, t] = e
+    return [row for row, out in zip(deciders, (e > 0).tolist()) if out]
+
+
+def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens) -> list[bool]:
+    """4) The call's exiting rows read out and draw the next tokens onto the tape.
+    Returns, for each, whether its sequence stops (a stop id, or N tokens)."""
+    logp = read_out(model, call, h, policy, policy.numerics)  # (n_out, V)
+    u = uniforms([gens[c] for c, _, _ in call.readout], h.device) if policy.temperature > 0 else None
+    tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
+    b, p, _ = torch.tensor(call.readout, device=h.device).T  # (n_out,) each
+    t = p - tape.prompt_end[b]  # (n_out,)
+    tape.completions[b, t] = tok
+    tape.logprobs[b, t] = lp = logp.gather(1, tok[:, None])[:, 0]  # (n_out,)
+    tape.tokens[b, p + 1] = tok  # the next position's input
+    stop = torch.isin(tok, tape.stop_ids) | (t + 1 == tape.completions.shape[1])  # (n_out,)
+    stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
+    if any(bad):
+        raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
+    return stop
+
+
 @torch.no_grad()
 def rollout(
     model: LoopedLM, prompts: list[list[int]], policy: Policy = Policy(), *, max_new_tokens: int = 32,
@@ -784,15 +886,16 @@ def rollout(
 
     At most `max_num_seqs` sequences are in flight (0: all), each in a slot;
     a stopped one's slot takes the next. Each call advances every sequence in
-    flight one loop, at its own depth (Contract §4): its *focus*, the newest
-    position, runs its next loop r, and every earlier position at r-1 rides
-    along. An exiting focus samples the next token, the focus at once
-    (deferred) or once the newest has run all R loops (dense). Drawn: README,
-    "Dense and deferred, drawn" (`schedule_grid`). NOTE: riding along is safe:
-    loop r of a position reads only its own loop r-1 output and earlier
-    positions' loop-r K/V, brought up to r no later than now; so by induction
-    each (position, loop) is the same function of the tokens, whichever call
-    computes it. Same draws as dense: Derivations (rollout)."""
+    flight one loop (Contract §4): its focus (`Seats`), the newest position,
+    runs its next loop r, and every earlier position at r - 1 rides along. An
+    exiting focus samples the next token: the new focus at once (deferred), or
+    after the old one's loop R (dense). Drawn: README, "Dense and deferred,
+    drawn". NOTE: riding along is complete: after the focus runs loop r, every
+    earlier position has run >= r loops (each call lifts those at r - 1; none
+    is lower), so none needs two loops in one call. And safe: loop r of a
+    position reads its own loop r - 1 output and earlier positions' loop-r K/V,
+    which exist by then; each (position, loop) is one function of the tokens,
+    whichever call computes it. Same draws as dense: Derivations (rollout)."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -802,102 +905,61 @@ def rollout(
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
-    # The rollout's state: per sequence on the device (t: a completion token)...
-    tokens = torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev)  # (B, T)
+    zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+    tape = Tape(
+        torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev),
+        torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev),
+        zeros(B, N), zeros(B, N), zeros(B, N, dtype=acc_dtype(model.dtype)), zeros(B, N, R, dtype=model.dtype),
+        torch.tensor(policy.stop_ids, dtype=torch.long, device=dev))  # fmt: skip
     cache = LoopCache.empty(model, min(max_num_seqs or B, B), T, numerics)
-    prompt_end = torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev)  # (B,)
-    completions = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N) token ids
-    exits = torch.zeros(B, N, dtype=torch.long, device=dev)  # (B, N); 0: none yet
-    logprobs = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
-    gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # deciding gates
-    stop_ids = torch.tensor(policy.stop_ids, dtype=torch.long, device=dev)
-    # ... and on the host: who sits where; each sequence's focus, its loops done.
-    waiting, seat = list(range(B))[::-1], {}  # pop(): the next to enter; slot -> sequence
-    ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
-    focus, done, length = list(ends), [0] * B, [0] * B
-    held, stopped = {}, set()  # held: other -> leader, until it shares the prompt
+    seats, stopped, length, calls = Seats(prompts, cache.S), set(), [0] * B, []
+    focus, ran, ends = seats.focus, seats.ran, seats.ends
     # runs_all(b): does b's focus run all R loops? (dense; last_exited's prefill)
     runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731
-    calls = []
-    while waiting or seat:
-        # 1) Free slots take the next sequences (`execute_call` seats them).
-        enter = [(waiting.pop(), s) for s in range(cache.S) if s not in seat and waiting]
-        seat |= {s: b for b, s in enter}
-        leader = {}  # a group seated at once: its prompt once
-        for b, _ in enter:
-            a = leader.setdefault(tuple(prompts[b]), b)
-            if a != b and ends[b] > 0:
-                held[b], focus[a] = a, ends[a] - 1  # the leader's prompt but its last position
+    while seats.waiting or seats.seat:
+        # 1) Free slots take the next sequences.
+        enter = seats.enter()
         # 2) Each focus runs its next loop r; earlier positions at r - 1 ride along.
-        live = sorted(s for s, b in seat.items() if b not in held)
-        loop = {seat[s]: done[seat[s]] + 1 for s in live}
-        f, r = torch.tensor([[focus[seat[s]], loop[seat[s]]] for s in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([seat[s] not in cache.slot_of for s in live], device=dev)  # (k,)
-        depth = torch.where(fresh[:, None], 0, cache.depth[live, :T])  # (k, T)
+        live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
+        loop = {b: ran[b] + 1 for _, b in live}  # the loop each focus runs now
+        f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
+        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
+        depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
-        rows = [(seat[live[i]], p, loop[seat[live[i]]]) for i, p in todo.nonzero().tolist()]
-        share = [(b, a) for b, a in held.items() if loop[a] == R]  # the prompt done: copied
+        rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
+        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # a leader's prompt done: copied
         call = Call(sorted(rows), share=share, enter=enter)
-        h, on = execute_call(model, call, tokens, cache, numerics)  # (n, C)
+        h, ran_rows = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C)
         calls.append(call)
         for b in loop:
-            done[b] += 1
+            ran[b] += 1
         # 3) Undecided newest positions decide: by the rule, or by a draw.
-        dec = decides_exit(on.loop, on.seq, on.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
-        if dec.numel():
-            b, r = on.seq[dec], on.loop[dec]  # (n_dec,) each
-            t = on.pos[dec] - prompt_end[b]  # and their tokens
-            g = model.gate_logits(h[dec], numerics)  # (n_dec,)
-            gates[b, t, r - 1] = g
-            deciders = [call.rows[i] for i in dec.tolist()]
-            if policy.exit_policy == "sampled":
-                draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]
-                e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, dev))
-            else:
-                e = exit_loops(gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
-            exits[b, t] = e  # 0: not yet
-            call.readout = [row for row, out in zip(deciders, (e > 0).tolist()) if out]
+        call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
         # 4) Exiting rows read out and sample; a stop id or N tokens stop the sequence.
+        stops = sample_next(model, policy, call, h, tape, gens) if call.readout else []
         if call.readout:
-            logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-            readers = [c for c, _, _ in call.readout]
-            u = uniforms([gens[c] for c in readers], dev) if policy.temperature > 0 else None
-            tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
-            b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
-            t = p - prompt_end[b]  # (n_out,)
-            completions[b, t] = tok
-            logprobs[b, t] = lp = logp.gather(1, tok[:, None])[:, 0]  # (n_out,)
-            tokens[b, p + 1] = tok  # the next position's input
-            stop = torch.isin(tok, stop_ids) | (t + 1 == N)  # (n_out,)
-            stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
-            if any(bad):
-                raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
-            kv.after_readout(cache, call, prompt_end)
-            for (c, q, _), ends_here in zip(call.readout, stop):
-                length[c] += 1
-                stopped.update([c] if ends_here else [])
-                if not (ends_here or runs_all(c)):
-                    focus[c], done[c] = q + 1, 0  # deferred: the new position is focus
+            kv.after_readout(cache, call, tape.prompt_end)
+        for (b, q, _), stop in zip(call.readout, stops):
+            length[b] += 1
+            stopped.update([b] if stop else [])
+            if not (stop or runs_all(b)):
+                focus[b], ran[b] = q + 1, 0  # deferred: the new position is the focus
         # 5) A focus done with loop R moves on: the prompt's end, the next position, or out.
-        for s in live:
-            b = seat[s]
-            if done[b] == R and focus[b] < ends[b]:  # prompt shared: the group goes on
-                for a in [b] + [a for a, c in held.items() if c == b]:
-                    focus[a], done[a] = ends[a], 0
-                    held.pop(a, None)
-            elif b in stopped and (done[b] == R or not runs_all(b)):
-                del seat[s]  # its slot is free for the next sequence
-            elif done[b] == R:
-                focus[b], done[b] = focus[b] + 1, 0
+        for s, b in live:
+            if ran[b] == R and focus[b] < ends[b]:  # the leader's prompt is shared
+                seats.shared(b)
+            elif b in stopped and (ran[b] == R or not runs_all(b)):
+                del seats.seat[s]  # its slot is free for the next sequence
+            elif ran[b] == R:
+                focus[b], ran[b] = focus[b] + 1, 0
     # 6) The exits' log-probs, from the deciding gates, as the replay's.
     sampled = policy.exit_policy == "sampled"  # threshold: exits not drawn, log p = 0
-    exit_lp = exit_logprob(gates, exits, policy.min_loops) if sampled else torch.zeros_like(logprobs)
+    exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
-    completions = [c[:n] for c, n in zip(completions.tolist(), length)]
-    exit_list = [e[:n] for e, n in zip(exits.tolist(), length)]
-    schedule = Schedule(calls, policy, str(model.dtype), R)
-    prompts = [list(prompt) for prompt in prompts]
-    return Rollout(prompts, completions, exit_list, logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
+    completions = [c[:n] for c, n in zip(tape.completions.tolist(), length)]
+    exit_list = [e[:n] for e, n in zip(tape.exits.tolist(), length)]
+    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), [list(prompt) for prompt in prompts]
+    return Rollout(prompts, completions, exit_list, tape.logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
 # --- Learner log-probabilities ----------------------------------------------
@@ -914,10 +976,8 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    slots = 0  # the rollout's S: top slot + 1
-    for call in calls:
-        slots = min(B, max([slots] + [s + 1 for _, s in call.enter]))
-    cache = LoopCache.empty(model, slots, tokens.shape[1], numerics)
+    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): the rollout's S is the top s + 1
+    cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
     exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N) 0: no token
@@ -926,12 +986,8 @@ def execute_schedule(
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
         if on_call is not None:
             on_call(call, h)
-        if sampled:  # NOTE: the rollout's rows and order: its bits
-            i_dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]
-            if i_dec.numel():
-                b, r = rows.seq[i_dec], rows.loop[i_dec]  # (n_dec,) each
-                tok_index = rows.pos[i_dec] - prompt_end[b]  # and their tokens
-                gates[b, tok_index, r - 1] = model.gate_logits(h[i_dec], numerics)
+        if sampled:  # the rollout's deciding rows, order and bits
+            deciding_gates(model, h, rows, prompt_end, exits, gates, numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
@@ -1243,18 +1299,14 @@ class CudaGraphError(RuntimeError):
 
 
 class CallGraphs:
-    """`LoopedLM.loop` of static calls (`Rows.static`), each call shape a CUDA graph: captured at its first call
-    (all L layers, rows of any loops), replayed after with the call's rows copied into its buffers in one copy (the
-    `Rows.flat` of one transfer) and its input rows in another. Same kernels, same inputs: the eager call's bits.
-    Checked once a shape: the capture runs the call eagerly first (its warm-up), and the graph's first replay must
-    equal it bit for bit (`CudaGraphError` if not, or if the capture recorded nothing). The audit cannot see a wrong
-    graph (the replay replays it too): this check can. Capture, streams and syncs are on the model's device.
-    A graph holds the addresses of its cache's K/V, so the static caches are kept here: one storage a layer, grown
-    to the largest asked (dropping every graph), each cache shape a view of it, zeroed when a rollout or replay
-    takes it (a real row reads stale K/V only under the mask, with weight 0, but 0 x NaN is NaN). At most
-    `max_graphs` graphs are kept, the least recently used dropped first. Calls with gradients, other numerics or
-    more than `max_rows` rows (prefill-heavy: few of them) run eagerly. `capture=False` (the CPU's tests): the same
-    static buffers, run eagerly, so the buffers' bookkeeping is checked anywhere. Off: `--no-cuda-graphs`."""
+    """`LoopedLM.loop` of static calls, each call shape a CUDA graph (all L layers), captured on the model's device
+    at its first call and replayed after with the call's rows copied into its buffers: the eager call's bits. The
+    audit cannot see a wrong graph (the replay runs it too), so each graph's first replay must equal its eager
+    warm-up bit for bit (`CudaGraphError` if not, or if the capture recorded nothing). A graph holds its cache's
+    address, so the static caches are kept here: one storage a layer, grown to the largest asked (dropping every
+    graph), each cache shape a view, zeroed for each rollout (masked keys get weight 0, but 0 x NaN is NaN); at most
+    `max_graphs` graphs, the least recently used dropped. Calls with gradients, other numerics or over `max_rows`
+    rows run eagerly. `capture=False` (the CPU's tests): the same static buffers, eager. Off: `--no-cuda-graphs`."""
 
     def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
         self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
@@ -1284,10 +1336,6 @@ class CallGraphs:
             t.zero_()  # no earlier rollout's values: every stored value is finite (or the step stops)
         return k, v
 
-    def kept_bytes(self) -> int:
-        """The storage's bytes (the memory plan counts it as the rollout cache)."""
-        return sum(t.numel() * t.element_size() for t in itertools.chain(*self.storage))
-
     def __call__(self, x: Tensor, rows: Rows, k: list, v: list, numerics: str) -> Tensor:
         eager = numerics != "static" or torch.is_grad_enabled() or x.shape[0] > self.max_rows
         if eager or all(kept is not k for kept, _ in self.views.values()):  # not a kept cache: eager
@@ -1311,7 +1359,7 @@ class CallGraphs:
         model's device, and its first replay checked against the eager call."""
         xs, flat = x.clone(), rows.flat.clone()
         view = lambda t: flat.as_strided(t.shape, t.stride(), t.storage_offset())  # noqa: E731  t: a view of rows.flat
-        grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "line", "col", "kv", "pos")})
+        grids = [dataclasses.replace(g, **{f: view(getattr(g, f)) for f in ("rows", "lane", "col", "kv", "pos")})
                  for g in rows.grids]  # fmt: skip
         tensors = {name: view(getattr(rows, name)) for name in ("kv", "kv_pos", "unorder")}
         srows = dataclasses.replace(rows, **tensors, grids=grids, flat=flat, alone={})
@@ -2277,7 +2325,7 @@ def memory_plan(
     rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
     teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
     gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
-    Static numerics: the cache's positions are a `bucket`; with CUDA graphs it lives through the step (`CallGraphs`)."""
+    Static numerics: the cache is `bucket`(T) long; with graphs it is kept (`CallGraphs`: the largest one asked)."""
     sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
