@@ -134,12 +134,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# --- Calls: rows, slots and the KV cache (the caller owns positions) -------
+# --- Calls: rows, slots, cache lines; a call packed for the model ----------
 # A *row* (b, p, r) is position p of sequence b at loop r. A *call* runs some rows through all L layers at
 # once, each at its own loop. Sequences in flight sit in *slots* of the cache; K/V of loop r of slot s is
-# cache line (r - 1) * S + s, so one gather serves rows of mixed loops. A row reads its own loop r - 1
-# output (h) and, at loop r, the loop-r K/V of its sequence's positions up to its own; so every call keeps
-# one invariant, which `execute_call` checks: its rows are at depth r - 1, and those K/V exist.
+# cache line (r - 1) * S + s (one gather serves mixed loops; line -1: padding's scratch, below). A row
+# reads its own loop r - 1 output (h) and, at loop r, the loop-r K/V of its sequence's positions up to its
+# own; so every call keeps one invariant, which `execute_call` checks: its rows are at depth r - 1, and
+# those K/V exist.
 
 
 class ScheduleError(RuntimeError):
@@ -162,52 +163,6 @@ class Call:
     readout: list[tuple[int, int, int]] = field(default_factory=list)
     share: list[tuple[int, int]] = field(default_factory=list)
     enter: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class LoopCache:
-    """S slots, each a sequence in flight, of T positions. k, v: [layer]
-    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
-    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
-    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
-    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
-
-    k: list[Tensor]
-    v: list[Tensor]
-    h: Tensor
-    depth: Tensor
-    S: int
-    R: int
-    slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
-    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
-
-    @classmethod
-    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
-        cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
-        shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
-        new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache
-        k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
-        h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
-        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
-
-    def seat(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (b, s): sequence b takes slot s, once; the slot starts empty
-        (depth 0: an earlier sequence's K/V there is masked, never attended)."""
-        for b, s in pairs:
-            if b in self.slot_of or not 0 <= s < self.S:
-                raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
-            self.slot_of[b], self.holder[s] = s, b
-        self.depth[[s for _, s in pairs]] = 0
-
-    def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
-        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
-        dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
-        for t in self.k + self.v:
-            lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
-            lines[:, dst] = lines[:, src]
-        self.depth[dst] = self.depth[src]
 
 
 # Static numerics (CUDA graphs need few call shapes): every size of a call is a `bucket`, with padding rows
@@ -504,7 +459,51 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
 
-# --- Executing a call -----------------------------------------------------
+# --- The KV cache, and executing a call (the caller owns positions) -------
+@dataclass
+class LoopCache:
+    """S slots, each a sequence in flight, of T positions. k, v: [layer]
+    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
+    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
+    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
+    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    h: Tensor
+    depth: Tensor
+    S: int
+    R: int
+    slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
+    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
+
+    @classmethod
+    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
+        cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
+        shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
+        new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
+        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache
+        k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
+        h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
+        return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
+
+    def seat(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (b, s): sequence b takes slot s, once; the slot starts empty
+        (depth 0: an earlier sequence's K/V there is masked, never attended)."""
+        for b, s in pairs:
+            if b in self.slot_of or not 0 <= s < self.S:
+                raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
+            self.slot_of[b], self.holder[s] = s, b
+        self.depth[[s for _, s in pairs]] = 0
+
+    def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
+        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
+        dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
+        for t in self.k + self.v:
+            lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
+            lines[:, dst] = lines[:, src]
+        self.depth[dst] = self.depth[src]
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
@@ -2789,6 +2788,10 @@ def schedule_to_json(schedule: Schedule) -> str:
 CALL_KEYS = ("rows", "readout", "share", "enter")  # a call's fields in JSON: lists of [b, p, r] or of pairs
 
 
+def _is_index(x) -> bool:
+    return type(x) is int and x >= 0  # JSON's true is no index
+
+
 def _json_tuples(i: int, call: dict, key: str) -> list[tuple[int, ...]]:
     """Call i's `key` (missing: []): a list of [b, p, r] (rows, readout) or pairs of integers >= 0 (not bools)."""
     items, what = call.get(key, []), {"share": "[dst, src]", "enter": "[b, s]"}.get(key, "[b, p, r]")
@@ -2798,10 +2801,6 @@ def _json_tuples(i: int, call: dict, key: str) -> list[tuple[int, ...]]:
         if not isinstance(item, list) or len(item) != len(what.split(",")) or not all(_is_index(x) for x in item):
             raise ValueError(f"call {i}: {key!r}[{j}] must be {what} integers >= 0, got {json.dumps(item)[:80]}")
     return [tuple(item) for item in items]
-
-
-def _is_index(x) -> bool:
-    return type(x) is int and x >= 0  # JSON's true is no index
 
 
 def _schedule_policy(d: dict) -> Policy:
@@ -2824,6 +2823,35 @@ def _schedule_policy(d: dict) -> Policy:
             raise ValueError(f"schedule: {f.name!r} must be a {type(default).__name__}, got {json.dumps(v)[:80]}")
         kw[f.name] = v
     return Policy(**kw)
+
+
+def check_schedule(schedule: Schedule, ro: Rollout) -> None:
+    """An outside schedule against the rollout it replays (`replay_logprobs` calls it for a `schedule_from_json`'s;
+    a rollout's own is right by construction, and training never pays for this): every sequence, slot, position
+    and loop in range, and every token of the mask read out once, at its exit loop, at position prompt_end + t;
+    no other readout. A ScheduleError names the call and the field. NOTE: host-side Python over the calls' rows."""
+    B, R = len(ro.prompts), schedule.loops
+    T = max(len(prompt) + len(c) for prompt, c in zip(ro.prompts, ro.completions))  # ro.tokens()'s
+    exits = {}  # (b, p, e) -> t: the readouts the tokens need
+    for b, (prompt, es) in enumerate(zip(ro.prompts, ro.exit_loops)):
+        exits |= {(b, len(prompt) - 1 + t, e): t for t, e in enumerate(es)}
+    seen = {}  # readout -> its call
+    for i, call in enumerate(schedule.calls):
+        for key, bounds in (("rows", (B, T, R + 1)), ("enter", (B, B)), ("share", (B, B))):
+            for j, item in enumerate(getattr(call, key)):
+                if any(x >= n for x, n in zip(item, bounds)):
+                    what = f"b < B = {B}, p < T = {T}, 1 <= r <= R = {R}" if key == "rows" else f"both < B = {B}"
+                    raise ScheduleError(f"call {i}: {key!r}[{j}] {list(item)} is out of range ({what})")
+        for j, row in enumerate(call.readout):
+            if row not in exits:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} is no masked token's exit at its loop")
+            if row in seen:
+                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} was read out already (call {seen[row]})")
+            seen[row] = i
+    if missing := [row for row in exits if row not in seen]:
+        b, p, e = missing[0]
+        where = f"token {exits[missing[0]]} (position {p}, exit loop {e})"
+        raise ScheduleError(f"schedule: sequence {b}'s {where} is never read out ({len(missing)} tokens are not)")
 
 
 def schedule_from_json(text: str) -> Schedule:
@@ -2854,35 +2882,6 @@ def schedule_from_json(text: str) -> Schedule:
     schedule = Schedule(calls, _schedule_policy(d), d["dtype"], d["loops"])
     schedule.check = check_schedule  # from outside: the replay checks it against the rollout
     return schedule
-
-
-def check_schedule(schedule: Schedule, ro: Rollout) -> None:
-    """An outside schedule against the rollout it replays (`replay_logprobs` calls it for a `schedule_from_json`'s;
-    a rollout's own is right by construction, and training never pays for this): every sequence, slot, position
-    and loop in range, and every token of the mask read out once, at its exit loop, at position prompt_end + t;
-    no other readout. A ScheduleError names the call and the field. NOTE: host-side Python over the calls' rows."""
-    B, R = len(ro.prompts), schedule.loops
-    T = max(len(prompt) + len(c) for prompt, c in zip(ro.prompts, ro.completions))  # ro.tokens()'s
-    exits = {}  # (b, p, e) -> t: the readouts the tokens need
-    for b, (prompt, es) in enumerate(zip(ro.prompts, ro.exit_loops)):
-        exits |= {(b, len(prompt) - 1 + t, e): t for t, e in enumerate(es)}
-    seen = {}  # readout -> its call
-    for i, call in enumerate(schedule.calls):
-        for key, bounds in (("rows", (B, T, R + 1)), ("enter", (B, B)), ("share", (B, B))):
-            for j, item in enumerate(getattr(call, key)):
-                if any(x >= n for x, n in zip(item, bounds)):
-                    what = f"b < B = {B}, p < T = {T}, 1 <= r <= R = {R}" if key == "rows" else f"both < B = {B}"
-                    raise ScheduleError(f"call {i}: {key!r}[{j}] {list(item)} is out of range ({what})")
-        for j, row in enumerate(call.readout):
-            if row not in exits:
-                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} is no masked token's exit at its loop")
-            if row in seen:
-                raise ScheduleError(f"call {i}: 'readout'[{j}] {list(row)} was read out already (call {seen[row]})")
-            seen[row] = i
-    if missing := [row for row in exits if row not in seen]:
-        b, p, e = missing[0]
-        where = f"token {exits[missing[0]]} (position {p}, exit loop {e})"
-        raise ScheduleError(f"schedule: sequence {b}'s {where} is never read out ({len(missing)} tokens are not)")
 
 
 def row_loops(schedule: Schedule) -> int:
