@@ -1261,6 +1261,15 @@ def test_each_training_step_draws_from_its_own_sequences_streams(monkeypatch):
     assert all(a != b for a, b in zip(ro1.completions, ro2.completions)), (ro1.completions, ro2.completions)
 
 
+def test_audit_every_k_audits_the_first_step_and_every_kth():
+    """--audit-every 2 over 3 steps: step 1 (a run's first) and step 2 replay iteration 1 against the sampler (their
+    metrics carry `exact/mismatched_tokens`, 0), step 3 does not. Auditing every step, or never, fails it."""
+    cfg = S.TrainConfig(config=TINY_JSON, steps=3, prompts_per_step=2, group_size=2, max_new_tokens=4, subset=20,
+                        reward="digits", device="cpu", audit_every=2)  # fmt: skip
+    history = S.train(cfg, log=lambda *_: None)["history"]
+    assert [m.get("exact/mismatched_tokens") for m in history] == [0, 0, None]
+
+
 def test_schedule_json_refuses_a_bad_share_pair():
     """A share pair copies one sequence's cache onto another: a sequence onto itself or a negative index is refused."""
     call = {"rows": [[0, 0, 1], [1, 0, 1]], "readout": [], "enter": [[0, 0], [1, 1]]}
