@@ -3850,10 +3850,10 @@ def _learner(s: _BenchSetup, model: LoopedLM, ro: Rollout, rollout_times: list[f
         return [("learner", text)], {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rewards = torch.arange(len(ro.prompts), dtype=torch.float32) % 2
-    t_learn = {}
-    for audit in (True, False):  # --audit-every: what a step without the audit saves
+    t_learn = {True: math.inf, False: math.inf}
+    for audit in (False, True) * 2:  # --audit-every: what a step without the audit saves (the faster of two)
         run = lambda: grpo_update(model, opt, ro, rewards, GRPOConfig(2, check_replay=audit))  # noqa: E731
-        t_learn[audit] = _timed(s.device, run)[0]
+        t_learn[audit] = min(t_learn[audit], _timed(s.device, run)[0])
         model.load_state_dict(s.base.state_dict())  # undo the update: later figures use the rollout's weights
     t_opt, _ = _timed(s.device, opt.step)  # the optimizer alone, on the gradients the update left
     model.load_state_dict(s.base.state_dict())
