@@ -843,8 +843,8 @@ def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, ga
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """3) A call's deciding rows choose, by the exit rule or by a draw: their gates and exits (0: not
-    yet) go on the tape. Returns the rows that exit: they read out."""
+    """Rollout step 3: a call's deciding rows choose, by the rule or a draw; their gates
+    and exits (0: not yet) go on the tape. Returns the rows that exit (they read out)."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -860,7 +860,7 @@ def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: R
 
 
 def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens) -> list[bool]:
-    """4) The call's exiting rows read out and draw the next tokens onto the tape.
+    """Rollout step 4: the call's exiting rows read out and draw the next tokens (the tape).
     Returns, for each, whether its sequence stops (a stop id, or N tokens)."""
     logp = read_out(model, call, h, policy, policy.numerics)  # (n_out, V)
     u = uniforms([gens[c] for c, _, _ in call.readout], h.device) if policy.temperature > 0 else None
