@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import hashlib
 import heapq
 import itertools
@@ -1199,11 +1200,14 @@ def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
 def grpo_update(
     model: LoopedLM, opt: torch.optim.Optimizer, ro: Rollout, rewards: Tensor, grpo: GRPOConfig,
     numerics: str = "fast", ref_model: LoopedLM | None = None, all_reduce: Callable | None = None,
+    rollout_model: LoopedLM | None = None,
 ) -> dict:  # fmt: skip
     """mu GRPO iterations on one rollout; metrics in TRL/verl names. Log-probs: `learner_logprobs`.
     Iteration 1's value is the sampler's record (`check_replay`: the replay must match it bit for
-    bit), later ones the replay's. `grpo.micro_batch` sequences a backward, gradients summed."""
-    mask, B = ro.mask.to(model.device), len(ro.prompts)  # (B, N)
+    bit), later ones the replay's. `grpo.micro_batch` sequences a backward, gradients summed.
+    `rollout_model`: the copy the replays run on (`ShardedLearner`: `model` is then FSDP's, whose
+    gradients arrive summed; every row is forced, so that every process makes the same calls)."""
+    mask, B, served = ro.mask.to(model.device), len(ro.prompts), rollout_model or model  # (B, N); the replays'
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
     _finite_or_stop(torch.isfinite(logp_old)[mask].all(), "the sampled tokens' log-probs", model)
@@ -1214,6 +1218,7 @@ def grpo_update(
     # live: the rows to teacher-force. NOTE: advantage 0 adds exactly 0 (its tokens still
     # count): forced only for the KL. None: row 0, so that backward has a graph.
     live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist() or [0]
+    live = list(range(B)) if rollout_model is not None else live  # FSDP: every rank's calls alike, all rows
     # pieces: micro-batches of live rows; the whole step: one piece of every row
     size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
@@ -1226,7 +1231,7 @@ def grpo_update(
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ----
-        value = recorded if it == 0 else replay_logprobs(model, ro, with_exits=True)  # exact
+        value = recorded if it == 0 else replay_logprobs(served, ro, with_exits=True)  # exact
         opt.zero_grad(set_to_none=True)
         losses, stats, tokens, naive = [], [], [], 0.0
         for i, piece in enumerate(pieces):  # a micro-batch
@@ -1243,16 +1248,16 @@ def grpo_update(
             stats.append(s)
             tokens.append(float(m[k].sum()))
         if it == 0 and grpo.check_replay:  # audit (after backward: its cache, not activations)
-            metrics.update(_audit_first_iteration(model, ro, logp_old, mask))
+            metrics.update(_audit_first_iteration(served, ro, logp_old, mask))
         if it == 0:
             metrics["sampling/naive_logp_difference/max"] = naive
-        if all_reduce is not None:  # data parallel: the gradients summed in one collective
+        if all_reduce is not None and rollout_model is None:  # data parallel: the gradients summed in one collective
             grads = [param.grad for param in model.parameters() if param.grad is not None]
             nn.utils.vector_to_parameters(all_reduce(nn.utils.parameters_to_vector(grads)), grads)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grpo.max_grad_norm)
         _finite_or_stop(torch.isfinite(grad_norm), f"gradient norm {float(grad_norm)}, iteration {it + 1}", model)
         opt.step()
-        _finite_or_stop(all(p.isfinite().all() for p in model.parameters()), "parameters after the step", model)
+        _finite_or_stop(all(p.isfinite().all() for p in served.parameters()), "parameters after the step", served)
         # ---- the GRPO iteration: END (below: metrics only) ----
         stats = _pooled(stats, tokens, float(mask[kept].sum()))
         clip_ratios.append(stats["clip_ratio"])
@@ -2432,6 +2437,8 @@ class TrainConfig:
         alias="--rollout-batch")
     audit_every: int = _flag(1, "replay audit (iteration 1's replay against the sampler, bit for bit) every K-th "
         "step and a run's first (0: the first only)", within=(0, 10**9))
+    fsdp: bool = _flag(False, "under torchrun: the learner sharded with FSDP2 (weights, gradients, AdamW, masters), "
+        "rollouts and replays on a whole copy synced after every step")
     sft_steps: int = _flag(0, "warm-start steps (Ouro objective) when starting from --config", within=(0, 10**9))
     sft_beta: float = _flag(0.05, "the warm start's entropy bonus on the exit distribution", within=(0.0, 10.0))
     reward: str = _flag("strict", "reward: GSM8K strict/lenient correctness or 'digits' (smoke tests)", choices=REWARDS)
@@ -2468,8 +2475,9 @@ def raw_logprobs(model: LoopedLM, ro: Rollout) -> Tensor:
     return replay_logprobs(model, dataclasses.replace(ro, policy=plain))
 
 
-def export_rounded(master: Tensor, rule: str, gen: torch.Generator, residual: Tensor | None) -> Tensor:
-    """A float32 master rounded to bfloat16 by `rule` (EXPORT_ROUNDINGS; nearest: ties to even)."""
+def export_rounded(master: Tensor, rule: str, gen: torch.Generator, residual: Tensor | None, whole=None) -> Tensor:
+    """A float32 master rounded to bfloat16 by `rule` (EXPORT_ROUNDINGS; nearest: ties to even). `whole`: (shape,
+    rows) when `master` is those rows of a tensor of that shape (a shard): the noise is drawn for the whole."""
     if rule == "error-feedback":  # master + `residual` to the nearest, the error kept in `residual`
         target = master + residual
         copy = target.to(torch.bfloat16)
@@ -2477,7 +2485,8 @@ def export_rounded(master: Tensor, rule: str, gen: torch.Generator, residual: Te
         return copy
     if rule == "stochastic":  # up with probability (distance to the lower) / gap: the mean is the master
         # NOTE: a bfloat16 is a float32's top 16 bits: uniform 16-bit noise carries away from 0 w.p. (low bits) / 2^16
-        noise = torch.randint(0, 1 << 16, master.shape, generator=gen, device=master.device, dtype=torch.int32)
+        shape, rows = whole or (master.shape, slice(None))
+        noise = torch.randint(0, 1 << 16, shape, generator=gen, device=master.device, dtype=torch.int32)[rows]
         return ((master.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
     return master.to(torch.bfloat16)
 
@@ -2534,6 +2543,109 @@ class MasterWeights:
         return {"export/lag": (behind2 / moved2) ** 0.5, "export/reached": dot / moved2}
 
 
+class _Held:  # arguments out of FSDP2's sight (it looks into containers and dataclasses, not this)
+    def __init__(self, args: tuple):
+        self.args = args
+
+
+class ShardedLearner:
+    """`train --fsdp` under torchrun: the learner on FSDP2 (`fully_shard`: a unit a decoder layer, then the root:
+    embedding, norm, exit gate, readout), each rank holding its rows (dim 0's `torch.chunk`) of the weights, the
+    gradients, AdamW and the float32 masters; `copy`, a plain model the rollouts and replays run on, gathered from it
+    after every step (below float32: the masters' export, the noise drawn for a whole tensor, so that the bits are one
+    process's whatever the world). An optimizer to `grpo_update` (`learner`: its model; `copy`: its `copy`).
+
+    NOTE: every rank makes the same collectives in the same order, whatever its rollouts. Backward reaches a layer's
+    calls in an order that follows the rows (their readouts), so nothing is exchanged there: a unit is gathered at its
+    first call (in forward: the layers' order) and kept through backward, its gradient summed over its calls and
+    reduce-scattered once, after backward (FSDP2's final callback, units in a fixed order). To that end FSDP2 must
+    not see a layer's tensor arguments (`_Held`): it would reduce-scatter after each call's backward. Every rank runs
+    as many micro-batches (`grpo_update` forces every row; a tied group's add exactly 0). The root's methods are not
+    `forward`: it is gathered at the embedding's first use (a hook)."""
+
+    def __init__(self, copy: LoopedLM, rounding: str, seed: int, **adamw):
+        from torch.distributed.fsdp import fully_shard
+
+        self.learner, self.copy, self.rounding = empty_model(copy.config, copy.dtype, copy.device), copy, rounding
+        self.learner.load_state_dict(copy.state_dict())
+        self.units = [*self.learner.model.layers, self.learner]
+        for unit in self.units:  # gathered at its first call, kept through backward (NOTE above)
+            fully_shard(unit, reshard_after_forward=False)
+            unit.set_gradient_divide_factor(1.0)  # summed (the loss's count is already global), a plain SUM:
+            unit.set_force_sum_reduction_for_comms(True)  # not PREMUL_SUM, which gloo lacks
+        for layer in self.learner.model.layers:  # its arguments held out of FSDP2's sight (NOTE above)
+            layer.register_forward_pre_hook(lambda _, args: (_Held(args),), prepend=True)
+            layer.forward = functools.partial(lambda layer, held: DecoderLayer.forward(layer, *held.args), layer)
+        self.learner._get_fsdp_state()._lazy_init()  # NOTE: FSDP2 takes the first unit called as its root: ours
+        self.learner.model.embed_tokens.register_forward_pre_hook(lambda *_: self.learner.unshard())
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.params = list(self.learner.parameters())  # DTensors; `shards`: this rank's rows, written in place
+        self.shards = [p.to_local().detach() for p in self.params]
+        low = copy.dtype != torch.float32
+        self.masters = [s.float() for s in self.shards] if low else self.shards
+        self.residuals = [torch.zeros_like(m) for m in self.masters] if low and rounding == "error-feedback" else None
+        self.gen = torch.Generator(copy.device).manual_seed(seed)
+        self.opt = torch.optim.AdamW(self.masters, **adamw)
+
+    def rows(self, n: int) -> slice:  # this rank's rows of a tensor of n rows, as FSDP2 shards it
+        chunk = -(-n // self.world)
+        return slice(self.rank * chunk, (self.rank + 1) * chunk)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params + self.masters:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on this rank's rows of the summed gradients, the export (below float32), then `sync`."""
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.to_local().to(m.dtype)
+        self.opt.step()
+        for i, (p, m, s) in enumerate(zip(self.params, self.masters, self.shards)):
+            if m is not s:  # the shard is the master's export; stochastic noise drawn for the whole, then sliced
+                whole = (p.shape, self.rows(p.shape[0]))
+                s.copy_(export_rounded(m, self.rounding, self.gen, self.residuals and self.residuals[i], whole))
+        self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The rollout copy := the learner, gathered a unit at a time (FSDP2's all-gather)."""
+        served = dict(self.copy.named_parameters())
+        for unit in self.units:
+            unit.unshard()
+            for name, p in self.learner.named_parameters():
+                if not isinstance(p, torch.distributed.tensor.DTensor):  # gathered: this unit's
+                    served[name].copy_(p)
+            unit.reshard()
+
+    @torch.no_grad()
+    def check_sync(self) -> None:
+        """The audit's premise under --fsdp (the replay runs on the copy): the copy's weights are the learner's, bit
+        for bit, each rank its rows; else ReplayMismatchError naming them (one all-reduce of the count)."""
+        served = [p for _, p in self.copy.named_parameters()]
+        names = [name for name, _ in self.copy.named_parameters()]
+        bad = [n for n, c, s in zip(names, served, self.shards) if not torch.equal(c[self.rows(c.shape[0])], s)]
+        count = torch.tensor(float(len(bad)))
+        torch.distributed.all_reduce(count)
+        if count:
+            raise ReplayMismatchError(
+                f"the rollout copy's weights are not the learner's ({int(count)} tensors over the ranks differ, "
+                f"e.g. {bad[:3] or 'on another rank'}): the rollouts were not the learner's policy (a broken sync)"
+            )
+
+    def state_dict(self) -> dict:  # this rank's rows
+        state = {"masters": self.masters, "optimizer": self.opt.state_dict(), "world": self.world}
+        return state | {"exporter": {"residuals": self.residuals, "generator": self.gen.get_state()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["optimizer"])
+        mine, saved = self.masters + (self.residuals or []), state["masters"] + (state["exporter"]["residuals"] or [])
+        for a, b in zip(mine, saved, strict=True):
+            a.copy_(b)
+        self.gen.set_state(state["exporter"]["generator"])
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """GRPO step `step`'s (0-based) learning rate: a linear warm-up to --lr, then constant or a cosine to 0."""
     t = max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)  # 0 -> 1 after the warm-up
@@ -2544,7 +2656,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, problems, dist: dict, out, audit=True):
     """One GRPO step: this process's share of the prompts, G rollouts each, rewards, the update (`audit`: its
     iteration 1 replayed against the sampler; else the sampler's record is the value, unchecked)."""
-    for group in (opt.opt if isinstance(opt, MasterWeights) else opt).param_groups:
+    for group in getattr(opt, "opt", opt).param_groups:  # MasterWeights', ShardedLearner's AdamW
         group["lr"] = lr_at(cfg, step)
     rank, world, P, G = dist["rank"], dist["world"], cfg.prompts_per_step, cfg.group_size
     t0, gen = time.time(), torch.Generator().manual_seed(sequence_seed(cfg.seed, -1 - step) % 2**62)
@@ -2564,8 +2676,15 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    grpo = dataclasses.replace(cfg.grpo(), check_replay=audit)
-    t1, m = time.time(), grpo_update(model, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"])
+    grpo, sharded, t1 = (
+        dataclasses.replace(cfg.grpo(), check_replay=audit),
+        isinstance(opt, ShardedLearner),
+        time.time(),
+    )
+    if sharded and audit:  # the replay runs on the copy: the audit checks that it is the learner
+        opt.check_sync()
+    learner, served = (opt.learner, model) if sharded else (model, None)
+    m = grpo_update(learner, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"], served)
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
         "reward": float(rw.mean()),
@@ -2605,11 +2724,25 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
 
 
 def save_trainer_state(out: Path, model: LoopedLM, opt, step: int, extra: dict) -> None:
-    """The HF-layout model and trainer_state.pt, each written atomically (--resume reads only trainer_state.pt)."""
-    model.save_pretrained(out)
-    opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
-    state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state(), "extra": extra}
-    _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state, p))
+    """The HF-layout model and trainer_state.pt, each written atomically (--resume reads only trainer_state.pt).
+    --fsdp: every rank first writes its rows of the optimizer (learner.stepN.rankR.pt, named by trainer_state.pt's
+    step); rank 0 then the rest; older rows are removed only after, so a kill leaves a complete checkpoint."""
+    sharded = isinstance(opt, ShardedLearner)
+    if sharded:
+        rows = out / f"learner.step{step}.rank{opt.rank}.pt"
+        _atomic_write(rows, lambda p: torch.save(opt.state_dict(), p))
+        torch.distributed.barrier()
+        opt_state, extra = {}, extra | {"fsdp_world": opt.world}
+    else:
+        opt_state = opt.state_dict() if isinstance(opt, MasterWeights) else {"optimizer": opt.state_dict()}
+    if not sharded or opt.rank == 0:
+        model.save_pretrained(out)
+        state = {"step": step, "model": model.state_dict(), **opt_state, "torch_rng": torch.get_rng_state()}
+        _atomic_write(out / "trainer_state.pt", lambda p: torch.save(state | {"extra": extra}, p))
+    if sharded:
+        torch.distributed.barrier()
+        for old in set(out.glob(f"learner.step*.rank{opt.rank}.pt")) - {rows}:
+            old.unlink()
 
 
 def _truncate_logs(out: Path, rank: int, start_step: int, say: Callable[[str], None]) -> None:
@@ -2687,11 +2820,22 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
         sft_warm_start(model, tok, problems, cfg.sft_steps, beta=cfg.sft_beta, seed=cfg.seed, log=say, **(sft or {}))
     model, grpo = use_cuda_graphs(model.to(dtype=DTYPES[cfg.dtype], device=device), cfg.cuda_graphs), cfg.grpo()
     adamw = {"lr": grpo.lr, "weight_decay": grpo.weight_decay, "eps": cfg.adam_eps}
-    if model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
+    if cfg.fsdp and dist["world"] > 1:  # the learner sharded; `model` is its rollout copy
+        opt = ShardedLearner(model, cfg.export_rounding, sequence_seed(cfg.seed, "export"), **adamw)
+    elif model.dtype == torch.bfloat16:  # the export's generator: one stream, the same on every rank
         opt = MasterWeights(model, cfg.export_rounding, sequence_seed(cfg.seed, "export"), **adamw)
     else:
         opt = torch.optim.AdamW(model.parameters(), **adamw)
-    if state:
+    written = state and state["extra"].get("fsdp_world")
+    if state and (written or isinstance(opt, ShardedLearner)):  # the rows this rank wrote, at the same world
+        now = dist["world"] if isinstance(opt, ShardedLearner) else None
+        if written != now:
+            was, run = f"by {written} processes under --fsdp" if written else "without --fsdp", now or "no --fsdp"
+            raise ValueError(f"--resume: {saved} was written {was}; this run: {run}. Resume it as it was written")
+        opt.load_state_dict(
+            torch.load(saved.parent / f"learner.step{state['step']}.rank{opt.rank}.pt", weights_only=True)
+        )
+    elif state:
         opt.load_state_dict(state if isinstance(opt, MasterWeights) else state["optimizer"])
     ref = None
     if grpo.beta > 0:  # the frozen reference is the model GRPO started from, saved for --resume
@@ -2728,6 +2872,8 @@ def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = N
     check_flags(cfg)
     dist, out = _distributed_setup(cfg), Path(cfg.out) if cfg.out else None
     rank, say = dist["rank"], log if dist["rank"] == 0 else (lambda *_: None)
+    if cfg.fsdp and dist["world"] == 1:
+        say("--fsdp in one process: world 1, nothing to shard; the plain learner runs")
     model, tok, problems, opt, ref, start_step = _setup(cfg, dist, say, sft)
     _plan_or_refuse(cfg, model, max(len(encode_problem(tok, p)[0]) for p in problems), dist["world"], say)
     slow = rank == 0 and model.dtype == torch.bfloat16 and bf16_warning(bf16_slowdown(model.config, model.device))
@@ -2752,8 +2898,6 @@ def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = N
             )
             raise
         history.append(m)
-        if rank != 0:
-            continue
         eta = (time.time() - t_run) / (step + 1 - start_step) * (cfg.steps - step - 1)
         say(
             f"step {m['step']}/{cfg.steps}  reward {m['reward']:.3f}  clip {m['clip_ratio']:.3f}  "
@@ -2762,10 +2906,11 @@ def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = N
             + (f"lag {m['export/lag']:.2f} reached {m['export/reached']:.2f}  " if "export/lag" in m else "")
             + f"{m['tokens_per_second']:.0f} tok/s  {m['seconds']:.1f}s/step  ETA {int(eta // 60)}m{int(eta % 60):02d}s"
         )
-        if out:
+        if out and rank == 0:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(m) + "\n")
-        if out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+        saving = out and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps)
+        if saving and (rank == 0 or isinstance(opt, ShardedLearner)):  # --fsdp: every rank writes its rows
             extra = {"args": dataclasses.asdict(cfg), "reference": ref.state_dict() if ref else None}
             save_trainer_state(out, model, opt, step + 1, extra)
     if dist["world"] > 1:
