@@ -1,23 +1,16 @@
 """ScaleRLT reference: exact RL on looped (Ouro-style) language models.
 
-A looped LM applies one stack of L decoder layers R times ("loops"); after
-every loop an exit gate says how likely the token is to be done, so easy
-tokens stop early. A teaching reference, a GRPO trainer and an oracle for
-engines; its contract is the README's "Contract", cited as Contract §N.
+A looped LM applies L decoder layers R times ("loops"); after each loop an
+exit gate says whether the token is done. A teaching reference, a GRPO trainer
+and an oracle for engines; its contract: the README's "Contract" (§N).
 
-The method: a deferred rollout lets a token stop at its exit loop; the loops
-it skipped run later, only if a later token needs their K/V, riding along in
-its calls. Sequences in flight sit in *slots*; each call advances every one
-by one loop, at its own depth. A rollout records its *schedule* (the ordered
-calls); the replay re-executes it through the same function, so it gets the
-sampler's bits (kernels are picked by shape: the same calls, the same bits).
-The learner's value is the sampler's record (GRPO's first ratios are exactly 1
-by construction; the replay audits it) or the replay, its gradient a dense
-teacher-forced pass. `numerics="invariant"` computes every row alone (slow;
-how the tests prove the algorithm).
-
-Below the banner "THE METHOD ENDS HERE": tooling, which nothing above needs.
-Simplified: one model a process, a dense KV cache, no sliding window, no bias.
+The method: a deferred rollout stops a token at its exit loop; the skipped
+loops run later, riding along in later calls, when a later token needs their
+K/V. A rollout records its *schedule*; the replay runs it through the same
+function: the same bits. The learner's value is the sampler's record (the
+replay audits it) or the replay; its gradient a dense teacher-forced pass.
+Below the banner "THE METHOD ENDS HERE": tooling. Simplified: one model a
+process, a dense KV cache, no sliding window, no bias.
 
 Letters, one meaning each (rarer names are defined where they are used):
 
@@ -54,8 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: busy cores. MKL_DYNAMIC: the same bits (MKL would drop threads); OMP_WAIT_POLICY: the same speed (an op's
-# threads sleep, not spin, while they wait for one another). Both read once, when torch is imported.
+# NOTE: read as torch is imported: MKL_DYNAMIC keeps the bits on busy cores, OMP_WAIT_POLICY the speed.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
@@ -65,7 +57,7 @@ import torch.utils.checkpoint  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 
-# --- Config -----------------------------------------------------------------
+# --- Config ---
 @dataclass
 class Config:
     """A looped model's shape, in HF Ouro's config.json names (trusted)."""
@@ -93,8 +85,7 @@ class Config:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
 
-# --- Numerics ---------------------------------------------------------------
-
+# --- Numerics ---
 NUMERICS = ("fast", "static", "invariant")
 
 
@@ -104,8 +95,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """`fn` of all rows at once ("fast", "static") or of one row at a time ("invariant").
-    NOTE: a row alone gets the same bits whatever shares its call (same shapes)."""
+    """`fn` of all rows at once, or ("invariant") of each row alone: the same bits whatever shares its call."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -118,16 +108,6 @@ def sigmoid_elementwise(x: Tensor) -> Tensor:
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
 
-def rope_tables(cfg: Config, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-    """cos, sin (max_position_embeddings, D), NeoX split-half layout: float64,
-    rounded once, looked up by position (independent of the call)."""
-    D = cfg.head_dim
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-    angles = torch.arange(cfg.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, D)
-    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (n, heads, D), cos/sin (n, 1, D): rotate pairs (i, i + D/2)."""
     half = x.shape[-1] // 2
@@ -135,13 +115,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# --- Calls: rows, slots, cache lines; a call packed for the model ----------
-# A *row* (b, p, r) is position p of sequence b at loop r. A *call* runs some rows through all L layers at
-# once, each at its own loop. Sequences in flight sit in *slots* of the cache; K/V of loop r of slot s is
-# cache line (r - 1) * S + s (one gather serves mixed loops; line -1: padding's scratch, below). A row
-# reads its own loop r - 1 output (h) and, at loop r, the loop-r K/V of its sequence's positions up to its
-# own; so every call keeps one invariant, which `execute_call` checks: its rows are at depth r - 1, and
-# those K/V exist.
+# --- Calls: rows, slots, cache lines; a call packed for the model ---
+# A *row* (b, p, r) is position p of sequence b at loop r; a *call* runs rows through all L layers at once,
+# each at its own loop. Sequences in flight sit in *slots*; K/V of loop r of slot s is *cache line*
+# (r - 1) * S + s (line -1: padding's scratch). A row reads its own loop r - 1 output (h) and the loop-r
+# K/V of its sequence's positions up to its own: `execute_call` checks that both exist.
 
 
 class ScheduleError(RuntimeError):
@@ -149,16 +127,13 @@ class ScheduleError(RuntimeError):
 
 
 class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite (training keeps its last checkpoint)."""
+    """Logits, loss or gradients stopped being finite."""
 
 
 @dataclass
 class Call:
-    """Rows (b, p, r) through all L layers, each row at its loop r (a
-    sequence's rows share one). enter: (b, s) pairs seated before the call
-    (`LoopCache.seat`). readout: the rows that exit here and sample a token.
-    share: (dst, src) pairs; after the call, sequence dst's cache becomes
-    src's (a group's prompt, once: `shared_prefix`)."""
+    """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: the rows
+    that exit and sample; share: (dst, src), after the call dst's cache becomes src's."""
 
     rows: list[tuple[int, int, int]]
     readout: list[tuple[int, int, int]] = field(default_factory=list)
@@ -166,12 +141,11 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-# Static numerics (CUDA graphs need few call shapes): every size of a call is a `bucket`, with padding rows
-# (zeros at position 0) and padding lanes. NOTE: no padding reaches a real row's value. Linear layers and
-# norms map each row alone; a padding row writes only the scratch line -1, which only padding lanes read; a
-# real row's keys past its position (stale or padding) get softmax weight exactly 0, and 0 x v adds exactly 0
-# as every stored value is finite (the cache starts at zeros); a padding row has key 0, so no softmax is over
-# all -inf. The replay pads alike: the same calls, the same bits.
+# Static numerics (CUDA graphs need few shapes): each size of a call a `bucket`, padded with rows (zeros at
+# position 0) and lanes. NOTE: no padding reaches a real row. Rows are alone in linear layers and norms; padding
+# writes only line -1, read only by padding lanes; a real row's keys past its position weigh exactly 0, adding
+# exactly 0 as every stored value is finite (the cache starts at zeros); a padding row has key 0 (no softmax
+# over all -inf). The replay pads alike.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of 128."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -179,8 +153,8 @@ def bucket(n: int) -> int:
 
 @dataclass
 class Grid:
-    """Some of a call's rows packed for attention: Bc lanes (a sequence each) of Tq
-    columns. Attention is per lane: a row attends to its lane's cache line only."""
+    """A call's rows packed for attention: Bc lanes (a sequence each) of Tq columns;
+    a row attends to its lane's cache line only."""
 
     rows: Tensor  # (m,) long: the model's rows here, lane by lane
     lane: Tensor  # (m,) each row's lane
@@ -191,10 +165,9 @@ class Grid:
 
     @staticmethod
     def of(lanes: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
-        """lanes: (cache line, positions, the rows' indices), one a sequence ->
-        the grid's lists (rows, lane, col, kv, pos) and its shape (Bc, Tq, Tk).
-        static: each size its `bucket`; padding lanes read the cache's scratch
-        line -1, and padding rows (indices from `pad`) fill free cells."""
+        """lanes: (cache line, positions, rows' indices), one a sequence -> the fields as
+        lists (pos flat), the shape (Bc, Tq, Tk). static: sizes `bucket`ed; padding lanes
+        read line -1; padding rows (indices from `pad`) fill free cells, of real lanes too."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
         m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
@@ -213,24 +186,19 @@ class Grid:
         # The mask of a lane with rows at pos 3 and 4 (Tk 5; x: may attend):
         #   pos 3:  x x x x .    earlier positions come from the cache,
         #   pos 4:  x x x x x    the row itself from this call
-        return [rows, lane, col, kv, pos], (Bc, Tq, Tk)
+        return dict(rows=rows, lane=lane, col=col, kv=kv, pos=pos), (Bc, Tq, Tk)
 
 
 @dataclass
 class Rows:
-    """A call's rows (b, p, r) as the model's inputs. Every row shares every
-    matmul; attention reads grids: each sequence's rows form a lane, and lanes of
-    one row (decoding) and of several (a prompt, rows riding along) pack apart,
-    so neither pads to the other. Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
+    """A call's rows as the model's inputs, sent at once. Every row shares every matmul;
+    attention reads grids: a sequence's rows form a lane; lanes of one row and of
+    several pack apart. Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
           0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
           0     1   5  3   pos 9
-          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5
-
-    A lane reads and writes its row's cache line (r - 1) * S + s. `static`:
-    every size a `bucket`, `pad` more rows (zeros at position 0, writing the
-    scratch line). Built on the host, sent at once: nothing is read back."""
+          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5"""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -263,29 +231,33 @@ class Rows:
                 raise ScheduleError(f"sequence {b}: a call's rows need one loop >= 1")
             ps.append(p)
             index.append(i)
-        per_lane = [(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]  # slot, loop, last
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lanes.items()}
-        pad, parts, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
+        pad, grids, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
         for alone in (True, False):  # lanes of one row, then lanes of several
             some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == alone]
             if some:
                 grid, shape = Grid.of(some, static, pad)
-                parts, shapes = parts + grid, shapes + [shape]
-        order, (seq, pos, loop) = list(itertools.chain(*parts[::5])), map(list, zip(*rows))
+                grids, shapes = grids + [grid], shapes + [shape]
+        order = [i for grid in grids for i in grid["rows"]]  # the model's rows, grid by grid
+        seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # the model's inputs first: their layout is the shape's (`CallGraphs`)
-        model_in = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        model_in += [sorted(range(n_pad), key=order.__getitem__)] + parts
-        parts = model_in + [seq, pos, loop, [slot_of[b] for b in seq]] + list(zip(*per_lane))  # one transfer
-        tensors = torch.tensor(list(itertools.chain(*parts))).to(device).split(list(map(len, parts)))
-        grids = []
+        # One transfer: kv, kv_pos, unorder, each grid's fields (the model's inputs, `flat`: its layout is the
+        # call's shape, `CallGraphs`); then seq, pos, loop, slot; then lane_slot, lane_loop, lane_last.
+        lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
+        lists += [sorted(range(n_pad), key=order.__getitem__)] + [f for grid in grids for f in grid.values()]
+        n_in = sum(map(len, lists))
+        lists += [seq, pos, loop, [slot_of[b] for b in seq]]
+        lists += map(list, zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]))
+        flat = torch.tensor(list(itertools.chain(*lists))).to(device)
+        parts = iter(flat.split(list(map(len, lists))))
+        take = lambda *names: {name: next(parts) for name in names}  # noqa: E731
+        model_in = take("kv", "kv_pos", "unorder")
         for i, (Bc, Tq, Tk) in enumerate(shapes):
-            g_rows, lane, col, g_kv, pos = tensors[3 + 5 * i : 8 + 5 * i]
-            grids.append(Grid(g_rows, lane, col, g_kv, pos.view(Bc, Tq), Tk))
+            grids[i] = Grid(**take("rows", "lane", "col", "kv"), pos=next(parts).view(Bc, Tq), Tk=Tk)
+        rest = take("seq", "pos", "loop", "slot", "lane_slot", "lane_loop", "lane_last")
         in_order = len(grids) == 1 and order == list(range(n_pad))
-        flat = tensors[0]._base[: sum(map(len, model_in))]
-        rest = tensors[len(model_in) :]  # per row, then per lane
-        return cls(rows, slot_of, S, static, *rest, *tensors[:3], in_order, grids, n_pad - n, flat)
+        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n,
+                   flat=flat[:n_in])  # fmt: skip
 
     def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
         if (i.start, i.stop) not in self.alone:
@@ -293,7 +265,7 @@ class Rows:
         return self.alone[i.start, i.stop]
 
 
-# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) --------
+# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) ---
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -334,8 +306,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S + 1, KVH, T, D).
-        `redo`: `attend` keeps only its inputs and runs again in backward."""
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S + 1, KVH, T, D)."""
         n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
@@ -351,9 +322,8 @@ class Attention(nn.Module):
         return out[0] if rows.in_order else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
-        """NOTE: not `F.scaled_dot_product_attention`: its backend, so its bits and
-        kernels, is picked by device, shape and mask; this is one arithmetic on every
-        device (its math backend's), checked by the suite there (`.ci/gpu_check.py`)."""
+        """NOTE: not `F.scaled_dot_product_attention`, whose backend (so bits) depends on device,
+        shape and mask: one arithmetic everywhere (its math backend's; `.ci/gpu_check.py`)."""
         (m, H, D), dtype = q.shape, q.dtype
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
@@ -394,26 +364,18 @@ class DecoderLayer(nn.Module):
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
 
 
-class OuroBody(nn.Module):
-    """`model.*` of an Ouro checkpoint: embeddings, layers, norm, exit gate."""
-
-    def __init__(self, cfg: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
-
-
 class LoopedLM(nn.Module):
-    """Ouro's looped decoder: R passes through the same L layers (Contract §2),
-    then h = norm(h): the final norm is *inside* the loop. Loop r reads out
-    lm_head(h_r) and early_exit_gate(h_r); each loop has its own K/V."""
+    """Ouro's looped decoder (Contract §2): loop r is the L layers, then the final norm
+    (inside the loop): h_r; it reads out lm_head(h_r) and early_exit_gate(h_r)."""
 
     def __init__(self, cfg: Config, *, seed: int = 0):
         super().__init__()
         self.config = cfg
-        self.model = OuroBody(cfg)
+        self.model = body = nn.Module()  # an Ouro checkpoint's `model.*`
+        body.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        body.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        body.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        body.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms start at 1
         for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: a checkpoint's
@@ -426,23 +388,21 @@ class LoopedLM(nn.Module):
         self.grad_checkpoint = False  # recompute teacher forcing in backward
         self.call_graphs = None  # CUDA graphs (`CallGraphs`, tooling)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
+    dtype = property(lambda self: self.lm_head.weight.dtype)
+    device = property(lambda self: self.lm_head.weight.device)
 
     def rope(self) -> tuple[Tensor, Tensor]:
-        key = (self.dtype, self.device)
+        """cos, sin (T, D), NeoX split-half: float64, rounded once."""
+        key, D = (self.dtype, self.device), self.config.head_dim
         if key not in self._rope:  # once per dtype and device
-            self._rope = {key: rope_tables(self.config, self.dtype, self.device)}
+            inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+            angles = torch.arange(self.config.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
+            angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+            self._rope = {key: tuple(a.to(dtype=self.dtype, device=self.device) for a in (angles.cos(), angles.sin()))}
         return self._rope[key]
 
     def loop(self, x, rows: Rows, k: list[Tensor], v: list[Tensor], numerics: str = "fast"):
-        """x (n, C), rows' input -> h (n, C), through the L layers and the
-        norm, each row at its own loop; k, v: each layer's K/V (`LoopCache`)."""
+        """x (n, C) -> h (n, C): the L layers and the norm, each row at its loop."""
         cos, sin = self.rope()
         cos, sin = cos[rows.kv_pos, None], sin[rows.kv_pos, None]  # (n, 1, D) each
         redo = self.grad_checkpoint and numerics != "invariant" and torch.is_grad_enabled()
@@ -460,14 +420,11 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
 
-# --- The KV cache, and executing a call (the caller owns positions) -------
+# --- The KV cache, and executing a call (the caller owns positions) ---
 @dataclass
 class LoopCache:
-    """S slots, each a sequence in flight, of T positions. k, v: [layer]
-    (R * S + 1, KVH, T, D), K after RoPE: loop r of slot s is line (r - 1) * S + s
-    (the last, -1: padding rows' scratch); h (S, T, C): each position's latest
-    loop output; depth (S, T) long: its loops done. `seat` gives a slot.
-    NOTE: K/V of (loop r, position p) exist exactly when depth[p] >= r."""
+    """S slots of T positions. k, v: [layer] (R * S + 1, KVH, T, D) by cache line; h (S, T, C):
+    the latest loop output; depth (S, T): loops done. NOTE: K/V of loop r exist iff depth >= r."""
 
     k: list[Tensor]
     v: list[Tensor]
@@ -489,8 +446,7 @@ class LoopCache:
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (b, s): sequence b takes slot s, once, at depth 0: a row reads K/V up to
-        its own position, which b wrote (the depth check); later ones, masked, weigh 0."""
+        """Sequence b takes slot s, once, at depth 0 (stale K/V past a row's position weigh 0)."""
         for b, s in pairs:
             if b in self.slot_of or not 0 <= s < self.S:
                 raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
@@ -498,8 +454,7 @@ class LoopCache:
         self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (dst, src): sequence dst's K/V and depths become src's. NOTE: not
-        h: a row reads h only at depth r - 1 < R, and the shared positions are at R."""
+        """dst's K/V and depths become src's. NOTE: not h: read at depth r - 1 < R, and these are at R."""
         dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
             lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
@@ -508,10 +463,9 @@ class LoopCache:
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
-    """The ONE function rollouts, replays and teacher forcing compute with:
-    updates the cache; returns each row's loop output h (n, C), and the Rows.
-    NOTE: the same call and numerics on the same values where it reads (K/V are gathered
-    to the call's key length, not the cache's) => the same bits: the replay rests on this."""
+    """The ONE function rollouts, replays and teacher forcing compute with: -> h (n, C), Rows.
+    NOTE: the same call on the same values where it reads (K/V gathered to the call's key
+    length, not the cache's) => the same bits: the replay rests on this."""
     cache.seat(call.enter)
     seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
     if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
@@ -537,8 +491,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 
 class ExactKV:
-    """The method's KV policy (Contract §4): every K/V attended to is exact. Its hooks
-    are for other engines' policies, to check them (`LastExitedKV`, not the method)."""
+    """The method's KV policy (Contract §4): every K/V attended to is exact. Hooks: other engines'."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
@@ -552,16 +505,9 @@ class ExactKV:
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 
-# --- Exit rule --------------------------------------------------------------
-
-# The exit rule's CDF by name: "survival" is Contract §3's; "hf" (modeling_ouro.py's
-# arithmetic, to check engines that use it) is registered below the banner.
-EXIT_CDFS: dict[str, Callable[[Tensor, int], Tensor]] = {}
-
-
+# --- Exit rule ---
 def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """Contract §3's CDF of j <= R loops' gates (..., j): float64, CDF_R = 1.
-    CDF_j = 1 - prod_{i<=j} (1 - lam_i), lam in acc_dtype."""
+    """Contract §3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
     stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
     remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not yet exited
     cdf = [stay[..., :0]]
@@ -573,16 +519,15 @@ def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
     return cdf
 
 
-EXIT_CDFS["survival"] = _survival_cdf
+# The exit rule's CDF by name; "hf" (modeling_ouro.py's arithmetic, to check engines) is registered below the banner.
+EXIT_CDFS: dict[str, Callable[[Tensor, int], Tensor]] = {"survival": _survival_cdf}
 
 
 def exit_loops(
     gate_logits: Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
 ) -> Tensor:
-    """The exit rule (Contract §3): gates (n, j) of j <= R loops -> exit loops
-    (n,) long, the first r >= min_loops with CDF_r >= tau (R: none or tau None;
-    0: undecided). done (n,) long: the loops each row has run (default j; later
-    gates are not read). Elementwise: batch-invariant (Derivations)."""
+    """The exit rule (Contract §3): gates (n, j) -> exits (n,): the first r >= min_loops with
+    CDF_r >= tau (R if tau None; 0: undecided). done (n,): the loops run (default j)."""
     (n, j), dev = gate_logits.shape, gate_logits.device
     done = torch.full((n,), j, device=dev) if done is None else done  # (n,)
     if tau is None or j == 0:
@@ -595,32 +540,23 @@ def exit_loops(
     return torch.where(hit.gather(1, first), first + 1, 0)[:, 0]  # 0: none exits
 
 
-# "threshold": the rule above. "sampled": the exit is drawn, an action; a step's
-# log-prob is log p(e) + log pi(token | loop e): GRPO trains how deep to think.
-EXIT_POLICIES = ("threshold", "sampled")
-
-
 def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
     """Each generator's next draw on the host, float64 in [0, 1) (None: 0): (n,)."""
-    zero = torch.zeros((), dtype=torch.float64)
-    draws = [zero if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
-    return torch.stack(draws).to(device)
+    draws = [0.0 if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
+    return torch.tensor(draws, dtype=torch.float64).to(device)
 
 
 def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Tensor:
-    """The sampled exit policy after each row's loop r (n,): r (exit) or 0. g
-    (n,): loop r's gates; u (n,) float64: draws, read at min_loops <= r < R.
-    Before min_loops: stay; at R: exit; else exit iff u < lam (Derivations)."""
+    """Sampled exits after loop r (n,): r or 0. g (n,): loop r's gates; u (n,) float64.
+    Before min_loops: stay; at R: exit; else exit iff u < lam."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
 
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
-    """log p(exit = e) under `sample_exits`, differentiable: gates (..., R),
-    exits (...) (0: none, log p 0) -> (...): the sum of log(1 - lam_j) for
-    min_loops <= j < e, and log lam_e if e < R. NOTE: computed here only, for
-    rollout, replay and teacher forcing (why this form: Derivations)."""
+    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: log p 0) -> (...).
+    NOTE: computed here only, for rollout, replay and teacher forcing alike."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -631,15 +567,15 @@ def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tens
     return torch.where((exits >= 1) & (exits < min_loops), float("-inf"), out)
 
 
-# --- The policy: log-probabilities, the readout, sampling -------------------
-
-MODES = ("dense", "deferred")
+# --- The policy: log-probabilities, the readout, sampling ---
+# "threshold": the rule above. "sampled": the exit is drawn, an action (log p(e) joins the step's log-prob).
+MODES, EXIT_POLICIES = ("dense", "deferred"), ("threshold", "sampled")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What a rollout samples and how, checked once. `mode` and `numerics` change
-    the work and bits, never the distribution (Contract §4); the rest define it."""
+    """What a rollout samples and how, checked once. `mode` and `numerics` change the
+    work and bits, never the distribution (Contract §4)."""
 
     mode: str = "deferred"  # MODES; "dense": a token runs R loops
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
@@ -671,9 +607,8 @@ class Policy:
 
 
 def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> Tensor:
-    """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype.
-    x = logits / temperature, then vLLM's top-k, top-p (Contract §3): keep x >=
-    its k-th largest, drop the least likely while their total is <= 1 - top_p."""
+    """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype: logits /
+    temperature, then vLLM's top-k, top-p (Contract §3)."""
     t = policy.temperature if policy.temperature > 0 else 1.0
 
     def kept(z: Tensor) -> Tensor:
@@ -696,21 +631,16 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
 
 
 def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: str) -> Tensor:
-    """h (n, C), a call's output -> log-probs (n_out, V) of its `readout` rows.
-    NOTE: the rollout samples from these, the replay scores with them, both
-    after the same `execute_call`: hence their log-probs agree bit for bit."""
+    """h (n, C) -> log-probs (n_out, V) of the call's `readout` rows. NOTE: the rollout samples
+    from these, the replay scores with them, after the same `execute_call`: the same bits."""
     index = {row: i for i, row in enumerate(call.rows)}
     rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
-    """Which rows (seq, pos) (n,) at `loop` (n,) decide an exit: (n,) bool. Row
-    (b, p) makes token p - prompt_end[b]; exits (B, N): each token's exit, 0
-    while none (as `exit_loops`, `sample_exits`, `exit_logprob` return it).
-    A row decides while its token has no exit, or up to its exit: the ONE rule
-    (the replay passes recorded exits: loops 1..e decide again, for sampled
-    exits' log-probs). Prompt rows never decide."""
+    """Rows (seq, pos, loop) (n,) -> which decide an exit (n,) bool: a completion's rows while
+    its token has no exit (exits (B, N): 0), or up to its exit. The ONE rule."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -723,8 +653,7 @@ def sequence_seed(seed: int, index: int) -> int:
 
 
 def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
-    """A draw from each row of logp (n, V) by inverse CDF at u (n,) float64;
-    argmax when greedy (u None). (n,) long, a kept token (a NaN row: some token)."""
+    """A token (n,) from each row of logp (n, V) by inverse CDF at u (n,) float64; greedy: argmax."""
     if temperature == 0:
         return logp.argmax(dim=1)
     cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU each row alone
@@ -734,7 +663,7 @@ def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
     return torch.minimum(drawn, last)[:, 0]
 
 
-# --- Rollouts ---------------------------------------------------------------
+# --- Rollouts ---
 @dataclass
 class Schedule:
     """A rollout's ordered calls (its shared prompt's included) and settings."""
@@ -743,7 +672,7 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-    check: Callable | None = field(default=None, repr=False, compare=False)  # an outside one's: (schedule, ro)
+    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro): an outside one's
 
 
 @dataclass
@@ -773,9 +702,7 @@ class Rollout:
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """Teacher forcing's first calls: a GRPO group's first sequence runs every
-    loop of the prompt but its last position; the last call copies its cache
-    to the group's others (`Call.share`). So does the rollout's group."""
+    """A group's prompt once: its first sequence runs it but its end, then shares its cache."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
@@ -788,10 +715,8 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 
 class Seats:
-    """A rollout's sequences on the host: who waits, who sits in which slot, each
-    one's *focus* (its newest position) and the loops the focus has `ran`. The
-    shared prompt, apart from deferral: of a group seated at one call the leader
-    runs the prompt but its end while the others are `held`, then shares it."""
+    """Who waits, who sits in which slot, each one's *focus* (newest position) and loops `ran`.
+    A group's leader runs the prompt but its end while the others are `held`, then shares it."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
@@ -800,7 +725,7 @@ class Seats:
         self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> leader
 
     def enter(self) -> list[tuple[int, int]]:
-        """Free slots take the next sequences: (b, s) pairs (`execute_call` seats them)."""
+        """Free slots take the next sequences: (b, s) pairs."""
         enter = [(self.waiting.pop(), s) for s in range(self.S) if s not in self.seat and self.waiting]
         self.seat |= {s: b for b, s in enter}
         leader = {}
@@ -821,8 +746,8 @@ class Seats:
 class Tape:
     """What a rollout records, on the device (t: a completion token's index)."""
 
-    tokens: Tensor  # (B, T) long: the prompts, then each token drawn (its next position's input)
-    prompt_end: Tensor  # (B,) each prompt's last position: row (b, p) makes token p - prompt_end[b]
+    tokens: Tensor  # (B, T) long: the prompts, then each token drawn
+    prompt_end: Tensor  # (B,) each prompt's last position
     completions: Tensor  # (B, N) token ids
     exits: Tensor  # (B, N) long exit loops; 0: none yet
     logprobs: Tensor  # (B, N) acc_dtype
@@ -831,9 +756,8 @@ class Tape:
 
 
 def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, gates, numerics: str):
-    """A call's rows that decide (`decides_exit`) and their gate logits, written into gates (B, N, R):
-    (dec, b, t, r, g), (n_dec,) each, or None. NOTE: the rollout (exits 0 while undecided) and the
-    replay (recorded exits e: loops 1..e decide again) pass the same rows: the same deciders, bits."""
+    """A call's deciding rows, their gates into gates (B, N, R): (dec, b, t, r, g) (n_dec,), or None.
+    NOTE: the rollout (exits 0) and replay (recorded e: loops 1..e) pass the same rows, bits."""
     dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
     if not dec.numel():
         return None
@@ -844,8 +768,7 @@ def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, ga
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """Rollout step 3: a call's deciding rows choose, by the rule or a draw; their gates
-    and exits (0: not yet) go on the tape. Returns the rows that exit (they read out)."""
+    """Rollout step 3: deciding rows choose by the rule or a draw (onto the tape) -> the exiting rows."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -860,9 +783,8 @@ def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: R
     return [row for row, out in zip(deciders, (e > 0).tolist()) if out]
 
 
-def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens) -> list[bool]:
-    """Rollout step 4: the call's exiting rows read out and draw the next tokens (the tape).
-    Returns, for each, whether its sequence stops (a stop id, or N tokens)."""
+def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens, cache) -> list[bool]:
+    """Rollout step 4: exiting rows read out and draw the next tokens -> whether each stops."""
     logp = read_out(model, call, h, policy, policy.numerics)  # (n_out, V)
     u = uniforms([gens[c] for c, _, _ in call.readout], h.device) if policy.temperature > 0 else None
     tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
@@ -875,6 +797,7 @@ def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Ta
     stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
     if any(bad):
         raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
+    KV_POLICIES[policy.kv].after_readout(cache, call, tape.prompt_end)
     return stop
 
 
@@ -884,19 +807,15 @@ def rollout(
     seed: int = 0, sequence_ids: list[int] | None = None, max_num_seqs: int = 0,
 ) -> Rollout:  # fmt: skip
     """Sample completions of `prompts` under `policy`; record everything.
-
-    At most `max_num_seqs` sequences are in flight (0: all), each in a slot;
-    a stopped one's slot takes the next. Each call advances every sequence in
-    flight one loop (Contract §4): its focus (`Seats`), the newest position,
-    runs its next loop r, and every earlier position at r - 1 rides along. An
-    exiting focus samples the next token: the new focus at once (deferred), or
-    after the old one's loop R (dense). Drawn: README, "Dense and deferred,
-    drawn". NOTE: riding along is complete: after the focus runs loop r, every
-    earlier position has run >= r loops (each call lifts those at r - 1; none
-    is lower), so none needs two loops in one call. And safe: loop r of a
-    position reads its own loop r - 1 output and earlier positions' loop-r K/V,
-    which exist by then; each (position, loop) is one function of the tokens,
-    whichever call computes it. Same draws as dense: Derivations (rollout)."""
+    At most `max_num_seqs` sequences in flight (0: all), each in a slot; a stopped one's slot
+    takes the next. Each call advances every sequence one loop (Contract §4): its focus
+    (`Seats`) runs its next loop r, and earlier positions at r - 1 ride along. An exiting
+    focus samples the next token: the new focus at once (deferred), or after its loop R
+    (dense). Drawn: README, "Dense and deferred, drawn". NOTE: complete: after the focus
+    runs loop r, every earlier position has run >= r loops (each call lifts those at r - 1;
+    none is lower), so none needs two in one call. Safe: loop r of a position reads its own
+    loop r - 1 output and earlier positions' loop-r K/V, which exist by then; each (position,
+    loop) is one function of the tokens, whichever call computes it. Same draws: Derivations."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(len(prompt) for prompt in prompts) + N
@@ -928,7 +847,7 @@ def rollout(
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
-        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # a leader's prompt done: copied
+        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # a leader's prompt done
         call = Call(sorted(rows), share=share, enter=enter)
         h, ran_rows = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C)
         calls.append(call)
@@ -937,9 +856,7 @@ def rollout(
         # 3) Undecided newest positions decide: by the rule, or by a draw.
         call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
         # 4) Exiting rows read out and sample; a stop id or N tokens stop the sequence.
-        stops = sample_next(model, policy, call, h, tape, gens) if call.readout else []
-        if call.readout:
-            kv.after_readout(cache, call, tape.prompt_end)
+        stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
         for (b, q, _), stop in zip(call.readout, stops):
             length[b] += 1
             stopped.update([b] if stop else [])
@@ -963,21 +880,18 @@ def rollout(
     return Rollout(prompts, completions, exit_list, tape.logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
-# --- Learner log-probabilities ----------------------------------------------
-
-
+# --- Learner log-probabilities ---
 def execute_schedule(
     model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
     on_call: Callable[[Call, Tensor], None] | None = None,
     on_readout: Callable[[Call, Tensor], None] | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Run `calls` (the replay's, teacher forcing's) over the rollout's tokens: (token, exit)
-    log-probs (B, N) of the recorded tokens and exits (threshold: exits' 0); 0 off the mask.
-    `on_call(call, h)`, `on_readout(call, logp)`: hooks (the oracle's)."""
+    """Run `calls` over the rollout's tokens: the recorded tokens' and exits' log-probs (B, N)
+    (threshold: exits' 0); 0 off the mask. on_call(call, h), on_readout(call, logp): the oracle's."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): the rollout's S is the top s + 1
+    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): S is the top s + 1
     cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
@@ -997,20 +911,17 @@ def execute_schedule(
         b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
         out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]
         kv.after_readout(cache, call, prompt_end)
-    if not sampled:
-        return out, torch.zeros_like(out)
-    return out, exit_logprob(gates, exits, policy.min_loops)
+    return out, exit_logprob(gates, exits, policy.min_loops) if sampled else torch.zeros_like(out)
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """The rollout's own schedule again, without gradients: (B, N) log-probs, `ro.logprobs`
-    bit for bit while the weights are unchanged; `with_exits`: (tokens', exits').
-    NOTE: by induction: call i repeats the rollout's call i (rows, order, shapes, device)
-    on K/V that earlier calls wrote with the rollout's bits. All tokens exist from the start,
-    the cache has another length: no matter, a row reads nothing past its own position."""
+    """The rollout's schedule again, without gradients: (B, N) log-probs, `ro.logprobs` bit for bit
+    while the weights are unchanged; `with_exits`: (tokens', exits'). NOTE: by induction, call i
+    repeats the rollout's call i (rows, order, shapes, device) on K/V earlier calls wrote with the
+    rollout's bits; later tokens and the cache's length differ, unread: a row reads up to its position."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
-    if ro.schedule.check is not None:  # from outside (`schedule_from_json`): its readouts are ro's tokens
+    if ro.schedule.check is not None:  # from outside (`schedule_from_json`)
         ro.schedule.check(ro.schedule, ro)
     with torch.no_grad():
         tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
@@ -1018,12 +929,9 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """Teacher forcing's dense schedule: loop r = 1..R of every position at once (a group's
-    prompt once: `shared_prefix`), read out at the recorded exit loops."""
+    """Teacher forcing's dense schedule: loop r of every position at once, read out at the recorded exits."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = set()  # sequences whose prompt was shared
-    for pair in calls[-1].share if calls else []:
-        grouped.update(pair)
+    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # their prompt shared
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
@@ -1033,21 +941,19 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
                     rows.append((b, p, r))
             readout += [(b, end + i, r) for i, e in enumerate(exits) if e == r]
         calls.append(Call(rows, readout))
-    calls[0].enter = [(b, b) for b in range(len(ro.prompts))]  # every sequence in its own slot
+    calls[0].enter = [(b, b) for b in range(len(ro.prompts))]  # a slot each
     return calls
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward (eager: "static" runs "fast"), read out at the recorded
-    exits: (B, N) log-probs on the model's device; with `with_exits`, (tokens', exits')."""
-    calls, numerics = teacher_forced_schedule(ro, model.config.total_ut_steps), numerics.replace("static", "fast")
-    tok, ext = execute_schedule(model, ro, calls, numerics)
+    """One differentiable forward ("static" runs "fast"): (B, N) log-probs; `with_exits`: (tokens', exits')."""
+    calls = teacher_forced_schedule(ro, model.config.total_ut_steps)
+    tok, ext = execute_schedule(model, ro, calls, numerics.replace("static", "fast"))
     return (tok, ext) if with_exits else tok
 
 
 def hybrid(value: Tensor, tf: Tensor) -> Tensor:
     """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
-
     NOTE: in this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x: `value`'s bits, always. The
     form `tf + (value - tf).detach()` rounds once the two differ by a factor of 2: NOT bitwise. A token
     teacher forcing drops (top-k/top-p) gets no gradient rather than -inf - -inf = NaN."""
@@ -1055,32 +961,28 @@ def hybrid(value: Tensor, tf: Tensor) -> Tensor:
 
 
 def joint_logprobs(ro: Rollout, tok: Tensor, ext: Tensor) -> Tensor:
-    """Each step's log-prob (B, N): log pi(token | loop e) + log p(exit = e) for sampled
-    exits; the token's alone under the threshold (its exits are not actions)."""
+    """Each step's log-prob (B, N): log pi(token | loop e), + log p(exit = e) if exits are sampled."""
     return tok + ext if ro.policy.exit_policy == "sampled" else tok
 
 
 def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(logp, tf) (B, N) joint: `hybrid(value, tf)` for tokens and exits, and tf (a naive
-    learner's). `value`: the exact (token, exit) log-probs if known (iteration 1: the
-    sampler's records), else the replay's."""
+    """(hybrid(value, tf), tf) (B, N), joint. value: the exact (token, exit) log-probs if known
+    (iteration 1: the sampler's records), else the replay's."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
     return joint_logprobs(ro, tok, ext), joint_logprobs(ro, tf_tok, tf_exit)
 
 
-# --- GRPO -------------------------------------------------------------------
-
+# --- GRPO ---
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
-    """rewards (B,), groups of G in a row -> advantages (B,) float32: r - mean(group), over
-    the group's ("group") or batch's ("batch") std + eps, as TRL, or not ("none", Dr. GRPO)."""
+    """rewards (B,), groups of G in a row -> (B,): r - mean(group), over the group's or batch's std + eps."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -1110,10 +1012,8 @@ class GRPOConfig:
 
 
 def loss_count(mask: Tensor, loss_agg: str, all_reduce: Callable | None = None):
-    """The loss's denominator, >= 1: tokens (token_mean), sequences (seq_mean_token_mean) or
-    rows x N (dr_grpo) of `mask`; with `all_reduce` (data parallel), of every process."""
-    agg = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}
-    count = agg[loss_agg]
+    """The loss's denominator >= 1: tokens, sequences or rows x N of `mask` (all processes')."""
+    count = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[loss_agg]
     if all_reduce is not None:
         count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
     return count.clamp_min(1) if torch.is_tensor(count) else max(count, 1)
@@ -1123,10 +1023,9 @@ def grpo_loss(
     logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, grpo: GRPOConfig = GRPOConfig(),
     *, ref_logp: Tensor | None = None, all_reduce: Callable | None = None, count=None,
 ) -> tuple[Tensor, dict]:  # fmt: skip
-    """The clipped GRPO surrogate: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss,
-    stats). Per token min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), ratio =
-    exp(logp - logp_old), less beta k3 KL to `ref_logp`; summed, divided by `count`
-    (`loss_count`). logp_old is the sampler's record, exact: iteration 1's ratios are 1."""
+    """The clipped GRPO surrogate: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats).
+    Per token min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), less beta k3 KL to
+    `ref_logp`; summed over `count`. logp_old is the sampler's record: iteration 1's ratios are 1."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
     a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1)
@@ -1179,8 +1078,7 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask)
 
 
 def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, logp_old, numerics: str):
-    """The learner's and teacher forcing's joint log-probs (b, N) of the rows `piece`: the
-    `live` ones' from `learner_logprobs`, the others' logp_old (advantage 0: they add 0)."""
+    """`learner_logprobs` (b, N) of rows `piece`: `live` ones forced, the others logp_old (they add 0)."""
     forced = [j for j, b in enumerate(piece) if b in set(live)]
     picked, rows = [piece[j] for j in forced], torch.tensor(forced, device=model.device)
     lp = learner_logprobs(model, ro.select(picked), numerics, tuple(v[picked] for v in value))
@@ -1188,8 +1086,7 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
 
 
 def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
-    """Micro-batches' `grpo_loss` stats: means weighted by tokens, over all `total` (a row
-    left out adds 0), and extremes of extremes."""
+    """Micro-batches' `grpo_loss` stats: token-weighted means over `total`, extremes of extremes."""
     if tokens == [total]:  # the whole step
         return stats[0]
     mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
@@ -1799,7 +1696,7 @@ Config.from_dict = staticmethod(config_from_dict)
 Config.from_json = staticmethod(load_config)
 
 
-# --- Tokenizers -------------------------------------------------------------------------------------
+# --- Tokenizers ---
 
 
 class ByteTokenizer:
@@ -1905,7 +1802,7 @@ def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple
     return ids
 
 
-# --- Data and rewards -------------------------------------------------------------------------------
+# --- Data and rewards ---
 
 # A number as written (README §7): "$", thousands separators ("4,5" is two numbers), decimals; \[dt]frac{a}{b}.
 _NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\$?\.\d+"
@@ -2037,7 +1934,7 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
     return tok.encode(prompt), tok.encode(problem["answer"]) + [tok.eos_id]
 
 
-# --- Warm start and evaluation ----------------------------------------------------------------------
+# --- Warm start and evaluation ---
 
 
 @dataclass
@@ -2138,7 +2035,7 @@ def evaluate(
     }
 
 
-# --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ----------
+# --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ---
 
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
@@ -2249,7 +2146,7 @@ def check_flags(flags) -> None:
         raise ValueError(f"--device {flags.device}: no CUDA device is available")
 
 
-# --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) -----------------------
+# --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) ---
 
 
 def _timed(device: torch.device, fn: Callable):
@@ -2295,7 +2192,7 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
     )
 
 
-# --- Memory: the plan of one GRPO step, part by part (bench and train print it) ---------------------
+# --- Memory: the plan of one GRPO step, part by part (bench and train print it) ---
 
 
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
@@ -2370,7 +2267,7 @@ def plan_lines(plan: dict[str, int]) -> list[str]:
     ]
 
 
-# --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ------
+# --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ---
 
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
@@ -3802,7 +3699,7 @@ def cmd_rollout(args) -> int:
     return 0
 
 
-# --- Benchmark --------------------------------------------------------------------------------------
+# --- Benchmark ---
 
 
 @torch.no_grad()
