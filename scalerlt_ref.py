@@ -1103,7 +1103,7 @@ def grpo_update(
     Iteration 1's value is the sampler's record (`check_replay`: the replay must match it bit for
     bit), later ones the replay's. `grpo.micro_batch` sequences a backward, gradients summed.
     `rollout_model`: the copy the replays run on (`ShardedLearner`: `model` is then FSDP's, whose
-    gradients arrive summed; every row is forced, so that every process makes the same calls)."""
+    gradients arrive summed: every process runs as many micro-batches, its collectives pair)."""
     mask, B, served = ro.mask.to(model.device), len(ro.prompts), rollout_model or model  # (B, N); the replays'
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
@@ -1115,10 +1115,11 @@ def grpo_update(
     # live: the rows to teacher-force. NOTE: advantage 0 adds exactly 0 (its tokens still
     # count): forced only for the KL. None: row 0, so that backward has a graph.
     live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist() or [0]
-    live = list(range(B)) if rollout_model is not None else live  # FSDP: every rank's calls alike, all rows
     # pieces: micro-batches of live rows; the whole step: one piece of every row
     size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
+    real = len(pieces)  # FSDP: as many backwards on every rank (each reduce-scatters), padded at weight 0
+    pieces += [live[:1]] * ((-(-B // size) - real) * (rollout_model is not None))
     count = loss_count(mask[kept], grpo.loss_agg, all_reduce)  # the whole step's denominator
     model.grad_checkpoint = grpo.grad_checkpoint
     refs = [None] * len(pieces)  # the KL reference's, per micro-batch
@@ -1133,7 +1134,7 @@ def grpo_update(
         losses, stats, tokens, naive = [], [], [], 0.0
         for i, piece in enumerate(pieces):  # a micro-batch
             logp, tf = micro_batch_logprobs(model, ro, piece, live, value, logp_old, numerics)
-            old, m, k = logp_old[piece], mask[piece], kept[piece]  # (b, N), (b, N), (b,)
+            old, m, k = logp_old[piece], mask[piece], kept[piece] & (i < real)  # (b, N), (b, N), (b,)
             # NOTE: -inf passes: a later iteration's top-k/top-p may drop a token (ratio 0)
             _finite_or_stop((logp.detach() < math.inf)[m].all(), f"learner log-probs, iteration {it + 1}", model)
             naive = max(naive, float(((tf.detach() - old).abs() * m).max()))
@@ -2212,22 +2213,29 @@ _SAVED = {
     "checkpointed": lambda e, C, I, kvw, HT: (5.2 * e + 7.9) * C + 3.4 * e * kvw,  # the checkpoints' inputs
     "dense": lambda e, C, I, kvw, HT: (13.5 * e + 5) * C + 4.6 * e * I + (4 + 3 * (e < 4)) * HT,  # + attention
 }
-STATE_PARTS = ("weights", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference")  # a whole step
+STATE_PARTS = (  # a whole step's; `learner_rows`: --fsdp's learner (a rank's rows), beside "weights": its copy
+    "weights", "learner_rows", "masters", "start_copy", "residuals", "adamw", "gradients", "kl_reference",
+)  # fmt: skip
 
 
 def memory_plan(
     cfg: Config, dtype: torch.dtype, *, sequences: int, prompt_len: int, new_tokens: int,
     max_num_seqs: int = 0, micro_batch: int = 0, grad_checkpoint: bool = False,
     beta: float = 0.0, rounding: str = "stochastic", device: str = "cpu", numerics: str = "fast",
-    cuda_graphs: bool = True,
+    cuda_graphs: bool = True, world: int = 1, data_parallel: bool = False,
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one GRPO step (one process's `sequences`, `prompt_len` + `new_tokens` positions each) as `train`
     runs it: every part, the state that lives through it, each phase's own peak on top of it, and "peak". Phases: the
     rollout (and the replay) of one chunk: its `LoopCache`; the learner of one micro-batch: what autograd keeps, the
     teacher-forced cache, a layer's attention scores in flight; the optimizer step: a weight at a time, its float32
     gradient and AdamW's or the export's temporaries (float32 on a GPU: AdamW's foreach ones of every weight).
-    Static numerics: the cache is `bucket`(T) long; with graphs it is kept (`CallGraphs`: the largest one asked)."""
-    sizes = [p.numel() for p in empty_model(cfg, dtype, "meta").parameters()]
+    Static numerics: the cache is `bucket`(T) long; with graphs it is kept (`CallGraphs`: the largest one asked).
+    `world` > 1: per rank under `train --fsdp` (`ShardedLearner`): "weights" is the rollout copy; the learner's rows,
+    gradients, masters, residuals and AdamW / world; the learner phase gathers the learner, and its gradients whole;
+    the step: float32 gradients of the rows, a weight's temporaries, and the sync's largest unit gathered.
+    `data_parallel` (torchrun without --fsdp): the step sums the gradients as one flat vector, and a copy of it."""
+    meta = empty_model(cfg, dtype, "meta")
+    sizes, unit = [p.numel() for p in meta.parameters()], sum(p.numel() for p in meta.model.layers[0].parameters())
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
@@ -2236,18 +2244,23 @@ def memory_plan(
     kv, kvw = kv_cache_bytes_per_token(cfg, dtype)["total"], cfg.num_key_value_heads * cfg.head_dim
     saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](e, C, I, kvw, H * T)
     per_token = LR * saved + (5.5 * e + 17) * C  # every position; the readout's below, completion tokens only
+    W, unit = max(world, 1), max(unit, P - cfg.num_hidden_layers * unit)  # the largest FSDP unit: a layer or the root
     plan = {
         "weights": P * e,
-        "masters": 4 * P * low,  # bfloat16: float32 masters
-        "start_copy": P * e * low,  # bfloat16: the exporter's start copy
-        "residuals": 4 * P * (low and rounding == "error-feedback"),
-        "adamw": 8 * P,  # its two moments, float32
-        "gradients": P * e,
+        "learner_rows": P * e // W * (W > 1),
+        "masters": 4 * P // W * low,  # bfloat16: float32 masters
+        "start_copy": P * e * low * (W == 1),  # bfloat16: the exporter's start copy
+        "residuals": 4 * P // W * (low and rounding == "error-feedback"),
+        "adamw": 8 * P // W,  # its two moments, float32
+        "gradients": P * e // W,
         "kl_reference": P * e * (beta > 0),
         "rollout_cache": slots * (bucket(T) if numerics == "static" else T) * kv,
         "learner": int(mb * (T * (per_token + kv) + new_tokens * (4 + e) * V + 16 * H * T * T)),
-        "step": 12 * largest + 4 * P * (cuda and not low),  # MasterWeights.step: one weight at a time
+        "step": 12 * largest + 4 * P * (cuda and not low) + 2 * P * e * data_parallel,  # a weight at a time
     }
+    if W > 1:  # the learner gathered; its gradients grow in backward as activations are freed: the larger of the two
+        plan["learner"] = P * e + max(plan["learner"], P * e)
+        plan["step"] = 4 * P // W * low + 12 * largest + unit * e  # the rows' float32 gradients, a unit gathered
     kept = numerics == "static" and cuda_graphs and cuda  # the cache lives in the state
     state = sum(plan[k] for k in STATE_PARTS) + kept * plan["rollout_cache"]
     phases = {"state": state} | {
@@ -2457,8 +2470,8 @@ class ShardedLearner:
     first call (in forward: the layers' order) and kept through backward, its gradient summed over its calls and
     reduce-scattered once, after backward (FSDP2's final callback, units in a fixed order). To that end FSDP2 must
     not see a layer's tensor arguments (`_Held`): it would reduce-scatter after each call's backward. Every rank runs
-    as many micro-batches (`grpo_update` forces every row; a tied group's add exactly 0). The root's methods are not
-    `forward`: it is gathered at the embedding's first use (a hook)."""
+    as many micro-batches (`grpo_update` pads them with a row at weight 0: it adds exactly 0). The root's methods
+    are not `forward`: it is gathered at the embedding's first use (a hook)."""
 
     def __init__(self, copy: LoopedLM, rounding: str, seed: int, **adamw):
         from torch.distributed.fsdp import fully_shard
@@ -2727,7 +2740,8 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
     if state and (written or isinstance(opt, ShardedLearner)):  # the rows this rank wrote, at the same world
         now = dist["world"] if isinstance(opt, ShardedLearner) else None
         if written != now:
-            was, run = f"by {written} processes under --fsdp" if written else "without --fsdp", now or "no --fsdp"
+            was = f"by {written} processes under --fsdp" if written else "without --fsdp"
+            run = f"{now} processes under --fsdp" if now else "not sharded"
             raise ValueError(f"--resume: {saved} was written {was}; this run: {run}. Resume it as it was written")
         opt.load_state_dict(
             torch.load(saved.parent / f"learner.step{state['step']}.rank{opt.rank}.pt", weights_only=True)
@@ -2749,9 +2763,10 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
         k: getattr(cfg, k)
         for k in ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta", "numerics", "cuda_graphs")
     }
-    plan = memory_plan(model.config, model.dtype, **step, **settings, rounding=cfg.export_rounding, device=model.device)
-    text = "; ".join(plan_lines(plan))
-    say(f"memory plan, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
+    W, settings = world if cfg.fsdp else 1, settings | {"rounding": cfg.export_rounding, "device": model.device}
+    plan = memory_plan(model.config, model.dtype, **step, **settings, world=W, data_parallel=world > W)
+    text, per = "; ".join(plan_lines(plan)), f" per rank of {W} (--fsdp)" if W > 1 else ""
+    say(f"memory plan{per}, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
     if model.device.type != "cuda":
         return
     room = torch.cuda.mem_get_info(model.device)[0] + torch.cuda.memory_reserved(model.device)  # ours: in the state
@@ -4020,7 +4035,8 @@ def cmd_bench(args) -> int:
     step = dict(sequences=args.plan_sequences, prompt_len=args.plan_prompt_len, new_tokens=args.plan_new_tokens)
     mine = dict(max_num_seqs=args.max_num_seqs, micro_batch=args.micro_batch, grad_checkpoint=args.grad_checkpoint)
     for dtype_name in s.dtypes:  # first, as it is arithmetic: the plan of a GRPO step, and of it without the settings
-        for what, settings in (("memory plan", mine), ("  without them", {})):
+        sharded = [(f"  per rank of {args.world}, --fsdp", mine | {"world": args.world})] * (args.world > 1)
+        for what, settings in [("memory plan", mine), ("  without them", {}), *sharded]:
             plan = memory_plan(s.cfg, DTYPES[dtype_name], **step, **settings, device=s.device)
             print(f"  {dtype_name:<9} {what:<26} {'; '.join(plan_lines(plan))}", flush=True)
     print(
@@ -4156,6 +4172,7 @@ class BenchFlags:
     max_num_seqs: int = _flag(0, MAX_NUM_SEQS_HELP + ": the rollouts' and the memory plan's (--rollout-batch: the "
         "same)", within=(0, MAX_COUNT), alias="--rollout-batch")
     grad_checkpoint: bool = _flag(True, "the memory plan with activation checkpointing (--no-grad-checkpoint: without)")
+    world: int = _flag(1, "the memory plan per rank of this many processes under train --fsdp too", within=(1, 4096))
     # fmt: on
 
 
