@@ -2511,6 +2511,8 @@ class ShardedLearner:
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.to_local().to(m.dtype)
         self.opt.step()
+        for m in self.masters:
+            m.grad = None
         for i, (p, m, s) in enumerate(zip(self.params, self.masters, self.shards)):
             if m is not s:  # the shard is the master's export; stochastic noise drawn for the whole, then sliced
                 whole = (p.shape, self.rows(p.shape[0]))
