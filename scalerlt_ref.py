@@ -1,24 +1,22 @@
 """ScaleRLT reference: exact RL on looped (Ouro-style) language models.
 
-A looped LM applies L decoder layers R times ("loops"); after each loop an
-exit gate says whether the token is done. A teaching reference, a GRPO trainer
-and an oracle for engines; its contract: the README's "Contract" (§N).
+A looped LM applies L decoder layers R times ("loops"); after each loop an exit
+gate says whether the token is done. A teaching reference, a GRPO trainer and an
+oracle for engines; its contract: the README's "Contract" (§N).
 
-The method: a deferred rollout stops a token at its exit loop; the skipped
-loops run later, riding along in later calls, when a later token needs their
-K/V. A rollout records its *schedule*; the replay runs it through the same
-function: the same bits. The learner's value is the sampler's record (the
-replay audits it) or the replay; its gradient a dense teacher-forced pass.
-Below the banner "THE METHOD ENDS HERE": tooling. Simplified: one model a
-process, a dense KV cache, no sliding window, no bias.
+The method: a deferred rollout stops a token at its exit loop; the skipped loops
+ride along later calls when a later token needs their K/V. A rollout records its
+*schedule*; the replay runs it through the same function: the same bits. The
+learner's value is the sampler's record (the replay audits it) or the replay; its
+gradient a dense teacher-forced pass. Simplified: one model a process, a dense KV
+cache, no sliding window, no bias.
 
-Letters, one meaning each (rarer names are defined where they are used):
+Letters, one meaning each (rarer names where they are used):
 
     shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
              R loops      L layers     C width       I MLP width
              H heads      KVH K/V heads  D head size  S slots (in flight)
-    indices  b sequence   p position (0-based)   r loop (1-based)   e exit loop
-             s slot
+    indices  b sequence  p position (0-based)  r loop (1-based)  e exit  s slot
     values   x layer input   h loop output   g gate logit   lam sigmoid(g)
              tau exit threshold   u uniform draw   logp log-probabilities
     GRPO     G per prompt  P prompts  ro rollout  tf teacher-forced  adv, rw, it
@@ -47,14 +45,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: read as torch is imported: MKL_DYNAMIC keeps the bits on busy cores, OMP_WAIT_POLICY the speed.
+# NOTE: read as torch loads: MKL_DYNAMIC keeps bits on busy cores; OMP_WAIT_POLICY, speed.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.utils.checkpoint  # noqa: E402
-from torch import Tensor  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor
 
 
 # --- Config ---
@@ -90,12 +88,12 @@ NUMERICS = ("fast", "static", "invariant")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmaxes', norms' and the exit rule's dtype (float64 for float64)."""
+    """Softmaxes', norms', the exit rule's dtype (float64 for float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """`fn` of all rows at once, or ("invariant") of each row alone: the same bits whatever shares its call."""
+    """fn(*args) at once, or ("invariant") a row at a time: bits whatever shares the call."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -103,7 +101,7 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (why: Derivations)."""
+    """sigmoid by the scalar kernel: batch-independent bits (README: Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -116,24 +114,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # --- Calls: rows, slots, cache lines; a call packed for the model ---
-# A *row* (b, p, r) is position p of sequence b at loop r; a *call* runs rows through all L layers at once,
-# each at its own loop. Sequences in flight sit in *slots*; K/V of loop r of slot s is *cache line*
-# (r - 1) * S + s (line -1: padding's scratch). A row reads its own loop r - 1 output (h) and the loop-r
-# K/V of its sequence's positions up to its own: `execute_call` checks that both exist.
+# A *row* (b, p, r) is position p of sequence b at loop r; a *call* runs rows through
+# the L layers at once, each at its loop. Sequences in flight sit in *slots*; loop r's
+# K/V of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop
+# r - 1 output (h) and the loop-r K/V of its sequence up to its position.
 
 
-class ScheduleError(RuntimeError):
-    """A call breaks what deferral keeps (Contract §4)."""
+class ScheduleError(RuntimeError): ...  # a call breaks what deferral keeps (§4)
 
 
-class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite."""
+class NonFiniteError(RuntimeError): ...  # logits, loss or gradients not finite
 
 
 @dataclass
 class Call:
-    """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: the rows
-    that exit and sample; share: (dst, src), after the call dst's cache becomes src's."""
+    """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: rows
+    that exit and sample; share: (dst, src), then dst's cache becomes src's."""
 
     rows: list[tuple[int, int, int]]
     readout: list[tuple[int, int, int]] = field(default_factory=list)
@@ -141,20 +137,19 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-# Static numerics (CUDA graphs need few shapes): each size of a call a `bucket`, padded with rows (zeros at
-# position 0) and lanes. NOTE: no padding reaches a real row. Rows are alone in linear layers and norms; padding
-# writes only line -1, read only by padding lanes; a real row's keys past its position weigh exactly 0, adding
-# exactly 0 as every stored value is finite (the cache starts at zeros); a padding row has key 0 (no softmax
-# over all -inf). The replay pads alike.
+# Static numerics (for CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
+# position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
+# layers and norms; padding writes line -1, read by padding lanes only; a real row's
+# keys past its position weigh 0, adding exactly 0 as stored values are finite (zeros
+# at first); a padding row has key 0 (no softmax over all -inf). Replays pad alike.
 def bucket(n: int) -> int:
-    """A static size >= n: a power of two to 128, then a multiple of 128."""
+    """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
 
 
 @dataclass
 class Grid:
-    """A call's rows packed for attention: Bc lanes (a sequence each) of Tq columns;
-    a row attends to its lane's cache line only."""
+    """Rows packed for attention: Bc lanes (sequences) of Tq columns; rows read their lane's line."""
 
     rows: Tensor  # (m,) long: the model's rows here, lane by lane
     lane: Tensor  # (m,) each row's lane
@@ -165,9 +160,8 @@ class Grid:
 
     @staticmethod
     def of(lanes: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
-        """lanes: (cache line, positions, rows' indices), one a sequence -> the fields as
-        lists (pos flat), the shape (Bc, Tq, Tk). static: sizes `bucket`ed; padding lanes
-        read line -1; padding rows (indices from `pad`) fill free cells, of real lanes too."""
+        """lanes: (cache line, positions, row indices) -> fields (pos flat), (Bc, Tq, Tk). static:
+        sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
         m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
@@ -191,9 +185,9 @@ class Grid:
 
 @dataclass
 class Rows:
-    """A call's rows as the model's inputs, sent at once. Every row shares every matmul;
-    attention reads grids: a sequence's rows form a lane; lanes of one row and of
-    several pack apart. Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
+    """A call's rows as the model's inputs, sent at once. Rows share every matmul; attention
+    reads grids: a sequence's rows are a lane; lanes of one row, of several pack apart.
+    Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
           0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
@@ -204,24 +198,24 @@ class Rows:
     slot_of: dict[int, int]  # sequence -> its slot
     S: int  # slots
     static: bool
-    seq: Tensor  # (n,) long, and likewise:
+    seq: Tensor  # (n,) long, as pos, loop, slot
     pos: Tensor
     loop: Tensor
     slot: Tensor
     lane_slot: Tensor  # (lanes,) its slot, loop, last position
     lane_loop: Tensor
     lane_last: Tensor
-    kv: Tensor  # (n + pad,) the cache line a model row writes
-    kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
-    unorder: Tensor  # (n + pad,) the grids' rows back in order
+    kv: Tensor  # (n + pad,) the cache line a row writes
+    kv_pos: Tensor  # (n + pad,) and its position
+    unorder: Tensor  # (n + pad,) grids' rows back in order
     in_order: bool  # one grid in order: no `unorder`
     grids: list[Grid]
     pad: int
     flat: Tensor  # the model's inputs (kv ... grids: views)
-    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
+    alone: dict = field(default_factory=dict, repr=False)  # `__getitem__`'s
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
+    def of(cls, rows: list[tuple], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
         lanes = {}  # b -> (its loop, positions, row indices)
@@ -233,31 +227,30 @@ class Rows:
             index.append(i)
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lanes.items()}
         pad, grids, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
-        for alone in (True, False):  # lanes of one row, then lanes of several
+        for alone in (True, False):  # lanes of one row, then of several
             some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == alone]
             if some:
                 grid, shape = Grid.of(some, static, pad)
                 grids, shapes = grids + [grid], shapes + [shape]
-        order = [i for grid in grids for i in grid["rows"]]  # the model's rows, grid by grid
+        order = list(itertools.chain(*(grid["rows"] for grid in grids)))  # the model's rows
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # One transfer: kv, kv_pos, unorder, each grid's fields (the model's inputs, `flat`: its layout is the
-        # call's shape, `CallGraphs`); then seq, pos, loop, slot; then lane_slot, lane_loop, lane_last.
+        # One transfer: first the model's inputs (`flat`: its layout is the call's shape)
         lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        lists += [sorted(range(n_pad), key=order.__getitem__)] + [f for grid in grids for f in grid.values()]
+        lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder
+        lists += itertools.chain(*(grid.values() for grid in grids))
         n_in = sum(map(len, lists))
         lists += [seq, pos, loop, [slot_of[b] for b in seq]]
         lists += map(list, zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]))
         flat = torch.tensor(list(itertools.chain(*lists))).to(device)
         parts = iter(flat.split(list(map(len, lists))))
-        take = lambda *names: {name: next(parts) for name in names}  # noqa: E731
-        model_in = take("kv", "kv_pos", "unorder")
+        take = lambda *names: {k: next(parts) for k in names}  # noqa: E731
+        model_in = take("kv", "kv_pos", "unorder") | {"flat": flat[:n_in]}
         for i, (Bc, Tq, Tk) in enumerate(shapes):
             grids[i] = Grid(**take("rows", "lane", "col", "kv"), pos=next(parts).view(Bc, Tq), Tk=Tk)
         rest = take("seq", "pos", "loop", "slot", "lane_slot", "lane_loop", "lane_last")
         in_order = len(grids) == 1 and order == list(range(n_pad))
-        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n,
-                   flat=flat[:n_in])  # fmt: skip
+        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n)
 
     def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
         if (i.start, i.stop) not in self.alone:
@@ -265,7 +258,7 @@ class Rows:
         return self.alone[i.start, i.stop]
 
 
-# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) ---
+# --- Model (HF Ouro's names: state_dict keys are a checkpoint's) ---
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -274,7 +267,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):  # x (n, C): x / rms(x) in acc_dtype
         xf = F.rms_norm(x.to(acc_dtype(x.dtype)), x.shape[-1:], eps=self.eps)
-        return self.weight * xf.type_as(x)  # NOTE: in the input dtype, as in Ouro
+        return self.weight * xf.type_as(x)  # NOTE: input dtype, as Ouro
 
 
 class MLP(nn.Module):
@@ -290,12 +283,12 @@ class MLP(nn.Module):
 
 
 def recomputed(fn: Callable, redo: bool, *args):
-    """fn(*args); `redo` (checkpointing): backward reruns fn, not keeping its work."""
+    """fn(*args); `redo`: backward reruns fn (checkpointing)."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
 
 
 class Attention(nn.Module):
-    """Causal GQA attention of a call's rows; their K/V, read and written."""
+    """Causal GQA attention of a call's rows, K/V read and written."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -306,29 +299,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S + 1, KVH, T, D)."""
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (lines, KVH, T, D)."""
         n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
-        # K (after RoPE) and V written before attending: rows see each other
+        # K (roped), V written before attending: rows see each other
         k_cache[rows.kv, :, rows.kv_pos] = k
         v_cache[rows.kv, :, rows.kv_pos] = self.v_proj(x).view(n, KVH, D)
         out = []
         for g in rows.grids:
-            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each lane's cache line
+            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): lanes' lines
             V = v_cache[g.kv, :, : g.Tk]
             qg = q if rows.in_order else q[g.rows]  # (m, H, D)
             out.append(recomputed(self.attend, redo, qg, K, V, g))
         return out[0] if rows.in_order else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
-        """NOTE: not `F.scaled_dot_product_attention`, whose backend (so bits) depends on device,
-        shape and mask: one arithmetic everywhere (its math backend's; `.ci/gpu_check.py`)."""
+        """NOTE: not `F.scaled_dot_product_attention`: its backend (bits) depends on device,
+        shape and mask; one arithmetic everywhere (its math backend's)."""
         (m, H, D), dtype = q.shape, q.dtype
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        if Tq == 1:  # one row a lane: the rows are the grid
+        if Tq == 1:  # a row a lane: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
             qp = q.new_zeros(Bc, Tq, H, D)
@@ -338,12 +331,12 @@ class Attention(nn.Module):
         att = att.masked_fill(masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
         y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
-        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding dropped
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding out
         return self.o_proj(y.reshape(m, H * D))
 
 
 class DecoderLayer(nn.Module):
-    """Ouro's sandwich norms: each sublayer's output is normalised again."""
+    """Ouro's sandwich norms: a sublayer's output is normalised again."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -365,8 +358,7 @@ class DecoderLayer(nn.Module):
 
 
 class LoopedLM(nn.Module):
-    """Ouro's looped decoder (Contract §2): loop r is the L layers, then the final norm
-    (inside the loop): h_r; it reads out lm_head(h_r) and early_exit_gate(h_r)."""
+    """Ouro's looped decoder (§2): h_r = loop r (L layers, final norm); heads read h_r."""
 
     def __init__(self, cfg: Config, *, seed: int = 0):
         super().__init__()
@@ -377,32 +369,32 @@ class LoopedLM(nn.Module):
         body.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         body.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms start at 1
-        for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: a checkpoint's
+        gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms: 1
+        for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: to load
             with torch.no_grad():
                 if param.dim() > 1:
                     param.copy_(torch.randn(param.shape, generator=gen) * cfg.initializer_range)
                 elif name.endswith("bias"):
                     param.zero_()
         self._rope: dict = {}
-        self.grad_checkpoint = False  # recompute teacher forcing in backward
-        self.call_graphs = None  # CUDA graphs (`CallGraphs`, tooling)
+        self.grad_checkpoint = False  # teacher forcing recomputed in backward
+        self.call_graphs = None  # `CallGraphs` (tooling)
 
     dtype = property(lambda self: self.lm_head.weight.dtype)
     device = property(lambda self: self.lm_head.weight.device)
 
     def rope(self) -> tuple[Tensor, Tensor]:
         """cos, sin (T, D), NeoX split-half: float64, rounded once."""
-        key, D = (self.dtype, self.device), self.config.head_dim
+        key, D, cfg = (self.dtype, self.device), self.config.head_dim, self.config
         if key not in self._rope:  # once per dtype and device
-            inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-            angles = torch.arange(self.config.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
+            inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+            angles = torch.arange(cfg.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
             angles = torch.cat([angles, angles], dim=-1)  # (T, D)
-            self._rope = {key: tuple(a.to(dtype=self.dtype, device=self.device) for a in (angles.cos(), angles.sin()))}
+            self._rope = {key: tuple(a.to(self.device, self.dtype) for a in (angles.cos(), angles.sin()))}
         return self._rope[key]
 
     def loop(self, x, rows: Rows, k: list[Tensor], v: list[Tensor], numerics: str = "fast"):
-        """x (n, C) -> h (n, C): the L layers and the norm, each row at its loop."""
+        """x (n, C) -> h (n, C): the L layers, the norm; a row at its loop."""
         cos, sin = self.rope()
         cos, sin = cos[rows.kv_pos, None], sin[rows.kv_pos, None]  # (n, 1, D) each
         redo = self.grad_checkpoint and numerics != "invariant" and torch.is_grad_enabled()
@@ -420,11 +412,11 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.lm_head, h)
 
 
-# --- The KV cache, and executing a call (the caller owns positions) ---
+# --- The KV cache; executing a call (the caller owns positions) ---
 @dataclass
 class LoopCache:
-    """S slots of T positions. k, v: [layer] (R * S + 1, KVH, T, D) by cache line; h (S, T, C):
-    the latest loop output; depth (S, T): loops done. NOTE: K/V of loop r exist iff depth >= r."""
+    """S slots of T positions. k, v: [layer] (R * S + 1, KVH, T, D) by line; h (S, T, C): last
+    loop's output; depth (S, T): loops done. NOTE: K/V of loop r exist iff depth >= r."""
 
     k: list[Tensor]
     v: list[Tensor]
@@ -433,20 +425,20 @@ class LoopCache:
     S: int
     R: int
     slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
-    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
+    holder: dict[int, int] = field(default_factory=dict)  # slot -> its last sequence
 
     @classmethod
     def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
         cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
         shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
         new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache
+        graphs = model.call_graphs if numerics == "static" else None  # a graph's own
         k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
-        """Sequence b takes slot s, once, at depth 0 (stale K/V past a row's position weigh 0)."""
+        """Sequence b takes slot s once, at depth 0 (stale K/V past a row weigh 0)."""
         for b, s in pairs:
             if b in self.slot_of or not 0 <= s < self.S:
                 raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
@@ -454,7 +446,7 @@ class LoopCache:
         self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """dst's K/V and depths become src's. NOTE: not h: read at depth r - 1 < R, and these are at R."""
+        """dst's K/V, depths become src's. NOTE: not h: read at depth < R; these are at R."""
         dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
             lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
@@ -463,25 +455,25 @@ class LoopCache:
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
-    """The ONE function rollouts, replays and teacher forcing compute with: -> h (n, C), Rows.
-    NOTE: the same call on the same values where it reads (K/V gathered to the call's key
-    length, not the cache's) => the same bits: the replay rests on this."""
+    """The ONE function rollouts, replays, teacher forcing run -> h (n, C), Rows. NOTE: the same
+    call on the same values where it reads (K/V cut to its key length) => the same bits."""
     cache.seat(call.enter)
-    seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
+    seqs = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share))
+    loops = {r for _, _, r in call.rows}
     if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V they attend to exists.
+    # Deferral's invariant: rows at depth r - 1; every K/V they read exists.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if 1 in loops:  # loop 1 starts from the embedding
+    if 1 in loops:  # loop 1 reads the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
     cache.depth[slot, pos] = r
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
     missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
     if late + missing:  # one read back per call
-        raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
+        raise ScheduleError(f"call at loops {sorted(loops)}: a row not at loop r - 1, or a K/V never computed")
     x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
     h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
     cache.h[slot, pos] = h
@@ -491,15 +483,15 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 
 class ExactKV:
-    """The method's KV policy (Contract §4): every K/V attended to is exact. Hooks: other engines'."""
+    """The method's KV policy (§4): every K/V read is exact. Hooks: other engines'."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
     def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
-        """After a call's readout (a KV-copy policy copies K/V; the exact: nothing)."""
+        """After a call's readout (KV-copy policies copy K/V; exact: nothing)."""
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
-        return True  # teacher forcing runs loop r of position p (exit e)
+        return True  # does teacher forcing run loop r of position p (exit e)?
 
 
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
@@ -507,9 +499,9 @@ KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 # --- Exit rule ---
 def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """Contract §3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
+    """§3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
     stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
-    remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not yet exited
+    remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not exited
     cdf = [stay[..., :0]]
     for j in range(stay.shape[-1]):
         remaining = remaining * stay[..., j : j + 1]
@@ -519,15 +511,15 @@ def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
     return cdf
 
 
-# The exit rule's CDF by name; "hf" (modeling_ouro.py's arithmetic, to check engines) is registered below the banner.
+# CDFs by name; "hf" (modeling_ouro.py's, for engines) is added below.
 EXIT_CDFS: dict[str, Callable[[Tensor, int], Tensor]] = {"survival": _survival_cdf}
 
 
 def exit_loops(
     gate_logits: Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
 ) -> Tensor:
-    """The exit rule (Contract §3): gates (n, j) -> exits (n,): the first r >= min_loops with
-    CDF_r >= tau (R if tau None; 0: undecided). done (n,): the loops run (default j)."""
+    """The exit rule (§3): gates (n, j) -> exits (n,): the first r >= min_loops with
+    CDF_r >= tau (R if tau None; 0: undecided). done (n,): loops run (default j)."""
     (n, j), dev = gate_logits.shape, gate_logits.device
     done = torch.full((n,), j, device=dev) if done is None else done  # (n,)
     if tau is None or j == 0:
@@ -541,22 +533,21 @@ def exit_loops(
 
 
 def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
-    """Each generator's next draw on the host, float64 in [0, 1) (None: 0): (n,)."""
-    draws = [0.0 if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
+    """Each generator's next draw, on the host: (n,) float64 in [0, 1) (None: 0)."""
+    draws = [torch.rand((), generator=gen, dtype=torch.float64) if gen else 0.0 for gen in gens]
     return torch.tensor(draws, dtype=torch.float64).to(device)
 
 
 def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Tensor:
-    """Sampled exits after loop r (n,): r or 0. g (n,): loop r's gates; u (n,) float64.
-    Before min_loops: stay; at R: exit; else exit iff u < lam."""
+    """Exits (n,) drawn after loop r: r or 0. Before min_loops stay; at R exit; else if u < lam."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
 
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
-    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: log p 0) -> (...).
-    NOTE: computed here only, for rollout, replay and teacher forcing alike."""
+    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...).
+    NOTE: computed here only, for rollout, replay, teacher forcing alike."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -568,26 +559,25 @@ def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tens
 
 
 # --- The policy: log-probabilities, the readout, sampling ---
-# "threshold": the rule above. "sampled": the exit is drawn, an action (log p(e) joins the step's log-prob).
+# "threshold": the rule above; "sampled": the exit is drawn, an action (log p joins the step's).
 MODES, EXIT_POLICIES = ("dense", "deferred"), ("threshold", "sampled")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What a rollout samples and how, checked once. `mode` and `numerics` change the
-    work and bits, never the distribution (Contract §4)."""
+    """What a rollout samples and how, checked once. mode, numerics: bits, not the distribution."""
 
     mode: str = "deferred"  # MODES; "dense": a token runs R loops
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
-    exit_threshold: float | None = None  # tau; None: the config's (whose None: exit at R)
+    exit_threshold: float | None = None  # tau; None: the config's (None: exit at R)
     exit_rule: str = "survival"  # EXIT_CDFS
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
     top_k: int = 0  # only the k most likely tokens (0: all)
     top_p: float = 1.0  # ... the fewest reaching probability top_p
-    stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none stops, nor EOS
+    stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none, nor EOS
 
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_CDFS, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
@@ -607,8 +597,7 @@ class Policy:
 
 
 def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> Tensor:
-    """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype: logits /
-    temperature, then vLLM's top-k, top-p (Contract §3)."""
+    """logits (n, V) -> log-probs (n, V) acc_dtype: / temperature, vLLM's top-k, top-p (§3)."""
     t = policy.temperature if policy.temperature > 0 else 1.0
 
     def kept(z: Tensor) -> Tensor:
@@ -619,7 +608,7 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
         V = s.shape[1]
         k = min(policy.top_k, V) if policy.top_k else V
         cut = s[:, V - k : V - k + 1]  # (n, 1) the k-th largest; ties stay
-        if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic
+        if policy.top_p < 1:  # NOTE: ascending cumsum, vLLM's arithmetic
             probs = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1)  # (n, V)
             low = probs.cumsum(dim=-1) <= 1 - policy.top_p  # (n, V) to drop
             dropped = low.sum(1, keepdim=True).clamp(max=V - 1)  # (n, 1)
@@ -631,32 +620,31 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
 
 
 def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: str) -> Tensor:
-    """h (n, C) -> log-probs (n_out, V) of the call's `readout` rows. NOTE: the rollout samples
-    from these, the replay scores with them, after the same `execute_call`: the same bits."""
+    """h (n, C) -> log-probs (n_out, V) of `readout` rows. NOTE: the rollout samples from
+    these, the replay scores with them, after the same `execute_call`: same bits."""
     index = {row: i for i, row in enumerate(call.rows)}
     rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
-    """Rows (seq, pos, loop) (n,) -> which decide an exit (n,) bool: a completion's rows while
-    its token has no exit (exits (B, N): 0), or up to its exit. The ONE rule."""
+    """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
 
 
 def sequence_seed(seed: int, index: int) -> int:
-    """A 63-bit seed of (run seed, global sequence index): batch-independent."""
+    """A 63-bit seed of (run seed, global sequence index), batch-independent."""
     digest = hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
 def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
-    """A token (n,) from each row of logp (n, V) by inverse CDF at u (n,) float64; greedy: argmax."""
+    """A token (n,) a row of logp (n, V): inverse CDF at u (n,) float64; greedy: argmax."""
     if temperature == 0:
         return logp.argmax(dim=1)
-    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU each row alone
+    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU a row alone
     total = cdf[:, -1:].contiguous()  # (n, 1)
     drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
     last = torch.searchsorted(cdf, total).clamp(max=cdf.shape[1] - 1)  # the last kept
@@ -666,18 +654,18 @@ def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
 # --- Rollouts ---
 @dataclass
 class Schedule:
-    """A rollout's ordered calls (its shared prompt's included) and settings."""
+    """A rollout's ordered calls (the shared prompt's too) and settings."""
 
     calls: list[Call]
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro): an outside one's
+    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro): a file's
 
 
 @dataclass
 class Rollout:
-    """Results are data: the replay, GRPO and the oracle read these fields."""
+    """Results are data: the replay, GRPO, the oracle read these fields."""
 
     prompts: list[list[int]]
     completions: list[list[int]]  # sampled ids, a sampled stop id included
@@ -689,7 +677,7 @@ class Rollout:
     exit_logprobs: Tensor  # (B, N) log p(exit e); threshold: 0
 
     def tokens(self, device=None) -> Tensor:
-        """(B, T) long: prompt + completion per sequence, right-padded with 0."""
+        """(B, T) long: prompt + completion, right-padded with 0."""
         seqs = [prompt + c for prompt, c in zip(self.prompts, self.completions)]
         T = max(len(s) for s in seqs)
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
@@ -702,7 +690,7 @@ class Rollout:
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """A group's prompt once: its first sequence runs it but its end, then shares its cache."""
+    """A group's prompt once: its first runs it but its end, then shares it."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
@@ -715,14 +703,14 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 
 class Seats:
-    """Who waits, who sits in which slot, each one's *focus* (newest position) and loops `ran`.
-    A group's leader runs the prompt but its end while the others are `held`, then shares it."""
+    """Who waits, who sits in which slot, each one's *focus* (newest position), loops `ran`.
+    A group's leader runs the prompt but its end, the others `held`, then shares it."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
         self.waiting = list(range(len(prompts)))[::-1]  # pop(): the next to enter
-        self.ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
-        self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> leader
+        self.ends = [len(prompt) - 1 for prompt in prompts]  # prompts' last positions
+        self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> a
 
     def enter(self) -> list[tuple[int, int]]:
         """Free slots take the next sequences: (b, s) pairs."""
@@ -732,11 +720,11 @@ class Seats:
         for b, _ in enter:
             a = leader.setdefault(tuple(self.prompts[b]), b)
             if a != b and self.ends[b] > 0:
-                self.held[b], self.focus[a] = a, self.ends[a] - 1  # the prompt but its end
+                self.held[b], self.focus[a] = a, self.ends[a] - 1  # prompt but its end
         return enter
 
     def shared(self, a: int) -> None:
-        """Leader a's prompt is shared: its group goes on, each from its prompt's end."""
+        """Leader a's prompt is shared: its group goes on from their prompts' ends."""
         for b in [a] + [b for b, c in self.held.items() if c == a]:
             self.focus[b], self.ran[b] = self.ends[b], 0
             self.held.pop(b, None)
@@ -744,7 +732,7 @@ class Seats:
 
 @dataclass
 class Tape:
-    """What a rollout records, on the device (t: a completion token's index)."""
+    """What a rollout records, on the device."""
 
     tokens: Tensor  # (B, T) long: the prompts, then each token drawn
     prompt_end: Tensor  # (B,) each prompt's last position
@@ -756,19 +744,19 @@ class Tape:
 
 
 def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, gates, numerics: str):
-    """A call's deciding rows, their gates into gates (B, N, R): (dec, b, t, r, g) (n_dec,), or None.
-    NOTE: the rollout (exits 0) and replay (recorded e: loops 1..e) pass the same rows, bits."""
+    """A call's deciding rows' gates into gates (B, N, R) -> (dec, b, t, r, g) (n_dec,) or None.
+    NOTE: rollout (exits 0), replay (exit e: loops 1..e) pass the same rows: same bits."""
     dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
     if not dec.numel():
         return None
     b, r = rows.seq[dec], rows.loop[dec]  # (n_dec,) each
-    t = rows.pos[dec] - prompt_end[b]  # and their tokens
+    t = rows.pos[dec] - prompt_end[b]  # their tokens
     gates[b, t, r - 1] = g = model.gate_logits(h[dec], numerics)  # (n_dec,)
     return dec, b, t, r, g
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """Rollout step 3: deciding rows choose by the rule or a draw (onto the tape) -> the exiting rows."""
+    """Rollout step 3: deciding rows exit by rule or draw (taped) -> the exiting rows."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -784,7 +772,7 @@ def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: R
 
 
 def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens, cache) -> list[bool]:
-    """Rollout step 4: exiting rows read out and draw the next tokens -> whether each stops."""
+    """Rollout step 4: exiting rows read out, draw next tokens -> whether each stops."""
     logp = read_out(model, call, h, policy, policy.numerics)  # (n_out, V)
     u = uniforms([gens[c] for c, _, _ in call.readout], h.device) if policy.temperature > 0 else None
     tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
@@ -794,7 +782,7 @@ def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Ta
     tape.logprobs[b, t] = lp = logp.gather(1, tok[:, None])[:, 0]  # (n_out,)
     tape.tokens[b, p + 1] = tok  # the next position's input
     stop = torch.isin(tok, tape.stop_ids) | (t + 1 == tape.completions.shape[1])  # (n_out,)
-    stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
+    stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # kept tokens' are finite
     if any(bad):
         raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
     KV_POLICIES[policy.kv].after_readout(cache, call, tape.prompt_end)
@@ -806,48 +794,44 @@ def rollout(
     model: LoopedLM, prompts: list[list[int]], policy: Policy = Policy(), *, max_new_tokens: int = 32,
     seed: int = 0, sequence_ids: list[int] | None = None, max_num_seqs: int = 0,
 ) -> Rollout:  # fmt: skip
-    """Sample completions of `prompts` under `policy`; record everything.
-    At most `max_num_seqs` sequences in flight (0: all), each in a slot; a stopped one's slot
-    takes the next. Each call advances every sequence one loop (Contract §4): its focus
-    (`Seats`) runs its next loop r, and earlier positions at r - 1 ride along. An exiting
-    focus samples the next token: the new focus at once (deferred), or after its loop R
-    (dense). Drawn: README, "Dense and deferred, drawn". NOTE: complete: after the focus
-    runs loop r, every earlier position has run >= r loops (each call lifts those at r - 1;
-    none is lower), so none needs two in one call. Safe: loop r of a position reads its own
-    loop r - 1 output and earlier positions' loop-r K/V, which exist by then; each (position,
-    loop) is one function of the tokens, whichever call computes it. Same draws: Derivations."""
+    """Sample completions of `prompts` under `policy`, recorded. At most `max_num_seqs` in flight
+    (0: all), a slot each. A call advances each sequence a loop (§4): its focus runs loop r,
+    earlier positions at r - 1 ride along; an exiting focus samples the next token, the new
+    focus at once (deferred) or after loop R (dense). NOTE: complete: once the focus ran loop r,
+    all earlier positions ran >= r (each call lifts those at r - 1; none is lower). Safe: loop r
+    reads its loop r - 1 output and earlier loop-r K/V, which exist: one function of the tokens."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
-    T = max(len(prompt) for prompt in prompts) + N
+    T = max(map(len, prompts)) + N
     if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or min(N, max_num_seqs + 1) < 1:
         need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
         raise ValueError(f"need {need}, max_new_tokens >= 1, max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
-    zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
-    tape = Tape(
-        torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev),
-        torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev),
-        zeros(B, N), zeros(B, N), zeros(B, N, dtype=acc_dtype(model.dtype)), zeros(B, N, R, dtype=model.dtype),
-        torch.tensor(policy.stop_ids, dtype=torch.long, device=dev))  # fmt: skip
     cache = LoopCache.empty(model, min(max_num_seqs or B, B), T, numerics)
     seats, stopped, length, calls = Seats(prompts, cache.S), set(), [0] * B, []
     focus, ran, ends = seats.focus, seats.ran, seats.ends
-    # runs_all(b): does b's focus run all R loops? (dense; last_exited's prefill)
+    zeros = functools.partial(torch.zeros, dtype=torch.long, device=dev)
+    tape = Tape(
+        torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev),
+        torch.tensor(ends, device=dev),
+        zeros(B, N), zeros(B, N), zeros(B, N, dtype=acc_dtype(model.dtype)), zeros(B, N, R, dtype=model.dtype),
+        torch.tensor(policy.stop_ids, dtype=torch.long, device=dev))  # fmt: skip
+    # does b's focus run all R loops? (dense; last_exited's prefill)
     runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731
     while seats.waiting or seats.seat:
         # 1) Free slots take the next sequences.
         enter = seats.enter()
         # 2) Each focus runs its next loop r; earlier positions at r - 1 ride along.
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
-        loop = {b: ran[b] + 1 for _, b in live}  # the loop each focus runs now
+        loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
         fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
-        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # a leader's prompt done
+        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # leader's prompt done
         call = Call(sorted(rows), share=share, enter=enter)
         h, ran_rows = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C)
         calls.append(call)
@@ -855,39 +839,37 @@ def rollout(
             ran[b] += 1
         # 3) Undecided newest positions decide: by the rule, or by a draw.
         call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
-        # 4) Exiting rows read out and sample; a stop id or N tokens stop the sequence.
+        # 4) Exiting rows read out and sample; a stop id or N tokens stop.
         stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
         for (b, q, _), stop in zip(call.readout, stops):
             length[b] += 1
             stopped.update([b] if stop else [])
             if not (stop or runs_all(b)):
-                focus[b], ran[b] = q + 1, 0  # deferred: the new position is the focus
-        # 5) A focus done with loop R moves on: the prompt's end, the next position, or out.
+                focus[b], ran[b] = q + 1, 0  # deferred: the new position is focus
+        # 5) A focus done with loop R moves on: the prompt's end, next position, or out.
         for s, b in live:
-            if ran[b] == R and focus[b] < ends[b]:  # the leader's prompt is shared
+            if ran[b] == R and focus[b] < ends[b]:  # a leader's prompt, shared
                 seats.shared(b)
             elif b in stopped and (ran[b] == R or not runs_all(b)):
-                del seats.seat[s]  # its slot is free for the next sequence
+                del seats.seat[s]  # free for the next sequence
             elif ran[b] == R:
                 focus[b], ran[b] = focus[b] + 1, 0
     # 6) The exits' log-probs, from the deciding gates, as the replay's.
-    sampled = policy.exit_policy == "sampled"  # threshold: exits not drawn, log p = 0
+    sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
     exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
     completions = [c[:n] for c, n in zip(tape.completions.tolist(), length)]
     exit_list = [e[:n] for e, n in zip(tape.exits.tolist(), length)]
-    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), [list(prompt) for prompt in prompts]
+    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), list(map(list, prompts))
     return Rollout(prompts, completions, exit_list, tape.logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
 # --- Learner log-probabilities ---
 def execute_schedule(
     model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
-    on_call: Callable[[Call, Tensor], None] | None = None,
-    on_readout: Callable[[Call, Tensor], None] | None = None,
+    on_call: Callable = lambda *a: None, on_readout: Callable = lambda *a: None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Run `calls` over the rollout's tokens: the recorded tokens' and exits' log-probs (B, N)
-    (threshold: exits' 0); 0 off the mask. on_call(call, h), on_readout(call, logp): the oracle's."""
+    """Run `calls` on ro's tokens -> tokens', exits' log-probs (B, N) (threshold exits' 0; 0 off mask)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
@@ -895,19 +877,17 @@ def execute_schedule(
     cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
-    exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N) 0: no token
+    exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-        if on_call is not None:
-            on_call(call, h)
+        on_call(call, h)
         if sampled:  # the rollout's deciding rows, order and bits
             deciding_gates(model, h, rows, prompt_end, exits, gates, numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-        if on_readout is not None:
-            on_readout(call, logp)
+        on_readout(call, logp)
         b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
         out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]
         kv.after_readout(cache, call, prompt_end)
@@ -915,10 +895,9 @@ def execute_schedule(
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """The rollout's schedule again, without gradients: (B, N) log-probs, `ro.logprobs` bit for bit
-    while the weights are unchanged; `with_exits`: (tokens', exits'). NOTE: by induction, call i
-    repeats the rollout's call i (rows, order, shapes, device) on K/V earlier calls wrote with the
-    rollout's bits; later tokens and the cache's length differ, unread: a row reads up to its position."""
+    """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit if
+    weights are unchanged; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
+    rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     if ro.schedule.check is not None:  # from outside (`schedule_from_json`)
@@ -929,14 +908,14 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """Teacher forcing's dense schedule: loop r of every position at once, read out at the recorded exits."""
+    """Teacher forcing's dense schedule: loop r of all positions at once, read at recorded exits."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # their prompt shared
+    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # prompt shared
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
             end = len(prompt) - 1  # the prompt's end reads out token 0
-            for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
+            for p in range(end if b in grouped else 0, end + len(c)):  # the last token: not input
                 if kv.teacher_forced_runs(p, end, exits[p - end] if p >= end else 0, r):
                     rows.append((b, p, r))
             readout += [(b, end + i, r) for i, e in enumerate(exits) if e == r]
@@ -946,22 +925,21 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward ("static" runs "fast"): (B, N) log-probs; `with_exits`: (tokens', exits')."""
+    """One differentiable forward ("static" runs "fast"): (B, N); `with_exits`: (tokens', exits')."""
     calls = teacher_forced_schedule(ro, model.config.total_ut_steps)
     tok, ext = execute_schedule(model, ro, calls, numerics.replace("static", "fast"))
     return (tok, ext) if with_exits else tok
 
 
 def hybrid(value: Tensor, tf: Tensor) -> Tensor:
-    """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
-    NOTE: in this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x: `value`'s bits, always. The
-    form `tf + (value - tf).detach()` rounds once the two differ by a factor of 2: NOT bitwise. A token
-    teacher forcing drops (top-k/top-p) gets no gradient rather than -inf - -inf = NaN."""
+    """The learner's log-probs: the bits of `value` (the sampler's), the gradient of `tf`. NOTE:
+    tf - tf.detach() is exactly 0.0, x + 0.0 == x: `value`'s bits. `tf + (value - tf).detach()`
+    rounds once the two differ by 2x: NOT bitwise. A token top-k/top-p drops: no grad, not NaN."""
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
 def joint_logprobs(ro: Rollout, tok: Tensor, ext: Tensor) -> Tensor:
-    """Each step's log-prob (B, N): log pi(token | loop e), + log p(exit = e) if exits are sampled."""
+    """Each step's log-prob (B, N): log pi(token | loop e) + log p(exit = e) if sampled."""
     return tok + ext if ro.policy.exit_policy == "sampled" else tok
 
 
@@ -982,7 +960,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
-    """rewards (B,), groups of G in a row -> (B,): r - mean(group), over the group's or batch's std + eps."""
+    """rewards (B,), groups of G in a row -> (B,): r - mean(group), / (group's or batch's std + eps)."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -1012,7 +990,7 @@ class GRPOConfig:
 
 
 def loss_count(mask: Tensor, loss_agg: str, all_reduce: Callable | None = None):
-    """The loss's denominator >= 1: tokens, sequences or rows x N of `mask` (all processes')."""
+    """The loss's denominator >= 1: tokens, rows or rows x N of `mask` (all processes')."""
     count = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[loss_agg]
     if all_reduce is not None:
         count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
@@ -1023,16 +1001,15 @@ def grpo_loss(
     logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, grpo: GRPOConfig = GRPOConfig(),
     *, ref_logp: Tensor | None = None, all_reduce: Callable | None = None, count=None,
 ) -> tuple[Tensor, dict]:  # fmt: skip
-    """The clipped GRPO surrogate: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats).
-    Per token min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), less beta k3 KL to
-    `ref_logp`; summed over `count`. logp_old is the sampler's record: iteration 1's ratios are 1."""
+    """Clipped GRPO: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats). Per token
+    min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta k3 KL to `ref_logp`, / `count`."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
     a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1)
     term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
     if grpo.beta > 0:
-        log_ratio = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(x) - x - 1 >= 0
+        log_ratio = ref_logp - logp  # k3 estimate of KL(pi || ref): exp(x) - x - 1 >= 0
         kl = torch.exp(log_ratio) - log_ratio - 1  # (B, N)
         term = term - grpo.beta * kl
         stats["kl"] = float((kl.detach() * maskf).sum() / maskf.sum().clamp_min(1))
@@ -1048,12 +1025,11 @@ def grpo_loss(
     return loss, stats
 
 
-class ReplayMismatchError(RuntimeError):
-    """The replay is not the sampler's log-probs bit for bit (the step refuses)."""
+class ReplayMismatchError(RuntimeError): ...  # the replay is not the sampler, bitwise
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
-    """NonFiniteError naming what, and the parameters, stopped being finite."""
+    """NonFiniteError naming what, and which parameters, stopped being finite."""
     if not bool(ok):
         bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
@@ -1064,16 +1040,14 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask)
     tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N), on the host
     mask, sampled = mask.cpu(), ro.policy.exit_policy == "sampled"
     pairs = ((tok, ro.logprobs), (ext, ro.exit_logprobs))
-    mismatched, mismatched_exits = (int(((a != b) & mask).sum()) for a, b in pairs)
-    metrics = {"exact/mismatched_tokens": mismatched}
-    metrics |= {"exact/mismatched_exit_logprobs": mismatched_exits} if sampled else {}
+    bad_tok, bad_exit = (int(((a != b) & mask).sum()) for a, b in pairs)
+    metrics = {"exact/mismatched_tokens": bad_tok}
+    metrics |= {"exact/mismatched_exit_logprobs": bad_exit} if sampled else {}
     replay = joint_logprobs(ro, tok, ext)  # (B, N)
     metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old.cpu()).abs() * mask).max())
-    if mismatched or mismatched_exits:
-        raise ReplayMismatchError(
-            f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
-            "sampler's; the learner would be off-policy (is the device nondeterministic?)"
-        )
+    if bad_tok or bad_exit:
+        why = "log-probs differ from the sampler's; the learner would be off-policy (is the device nondeterministic?)"
+        raise ReplayMismatchError(f"{bad_tok} tokens, {bad_exit} exits: the replay's {why}")
     return metrics
 
 
@@ -1086,7 +1060,7 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
 
 
 def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
-    """Micro-batches' `grpo_loss` stats: token-weighted means over `total`, extremes of extremes."""
+    """Micro-batches' stats: token-weighted means over `total`; extremes of extremes."""
     if tokens == [total]:  # the whole step
         return stats[0]
     mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
