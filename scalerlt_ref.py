@@ -12,13 +12,12 @@ gradient a dense teacher-forced pass. Simplified: one model a process, a dense K
 cache, no sliding window, no bias.
 
 Letters, one meaning each (rarer names where they are used):
-
     shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
              R loops      L layers     C width       I MLP width
              H heads      KVH K/V heads  D head size  S slots (in flight)
     indices  b sequence  p position (0-based)  r loop (1-based)  e exit  s slot
-    values   x layer input   h loop output   g gate logit   lam sigmoid(g)
-             tau exit threshold   u uniform draw   logp log-probabilities
+    values   x layer input  h loop output  g gate logit  lam sigmoid(g)
+             tau exit threshold  u uniform draw  logp log-probabilities
     GRPO     G per prompt  P prompts  ro rollout  tf teacher-forced  adv, rw, it
 
 Run: `python scalerlt_ref.py --help`; test: `pytest -q test_ref.py`."""
@@ -45,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: read as torch loads: MKL_DYNAMIC keeps bits on busy cores; OMP_WAIT_POLICY, speed.
+# NOTE: read as torch loads. MKL_DYNAMIC: bits on busy cores; OMP_WAIT_POLICY: speed.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
@@ -58,7 +57,7 @@ from torch import Tensor
 # --- Config ---
 @dataclass
 class Config:
-    """A looped model's shape, in HF Ouro's config.json names (trusted)."""
+    """A looped model's shape in HF Ouro's config.json names (trusted)."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
@@ -68,12 +67,12 @@ class Config:
     num_key_value_heads: int = 2  # KVH; H a multiple of it (GQA when KVH < H)
     head_dim: int = 0  # D; 0: hidden_size // num_attention_heads
     total_ut_steps: int = 4  # R, loops (Ouro: "universal transformer steps")
-    early_exit_threshold: float | None = 1.0  # tau; None: every token exits at R
+    early_exit_threshold: float | None = 1.0  # tau; None: all exit at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False  # Ouro's head is untied; tied ones load
-    initializer_range: float = 0.02  # std of the random init (tiny models)
+    initializer_range: float = 0.02  # random init's std (tiny models)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -93,7 +92,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """fn(*args) at once, or ("invariant") a row at a time: bits whatever shares the call."""
+    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -101,7 +100,7 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (README: Derivations)."""
+    """sigmoid by the scalar kernel: batch-independent bits (Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -113,14 +112,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# --- Calls: rows, slots, cache lines; a call packed for the model ---
-# A *row* (b, p, r) is position p of sequence b at loop r; a *call* runs rows through
-# the L layers at once, each at its loop. Sequences in flight sit in *slots*; loop r's
-# K/V of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop
-# r - 1 output (h) and the loop-r K/V of its sequence up to its position.
+# --- Calls: rows, slots, cache lines; packing a call ---
+# A *row* (b, p, r): position p of sequence b at loop r; a *call* runs rows through the
+# L layers at once, each at its loop. Sequences in flight sit in *slots*; loop r's K/V
+# of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop r - 1
+# output (h) and its sequence's loop-r K/V up to its position.
 
 
-class ScheduleError(RuntimeError): ...  # a call breaks what deferral keeps (§4)
+class ScheduleError(RuntimeError): ...  # a call breaks deferral's invariant (§4)
 
 
 class NonFiniteError(RuntimeError): ...  # logits, loss or gradients not finite
@@ -129,7 +128,7 @@ class NonFiniteError(RuntimeError): ...  # logits, loss or gradients not finite
 @dataclass
 class Call:
     """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: rows
-    that exit and sample; share: (dst, src), then dst's cache becomes src's."""
+    that exit and sample; share: (dst, src): then dst's cache is src's."""
 
     rows: list[tuple[int, int, int]]
     readout: list[tuple[int, int, int]] = field(default_factory=list)
@@ -137,7 +136,7 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-# Static numerics (for CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
+# Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
 # layers and norms; padding writes line -1, read by padding lanes only; a real row's
 # keys past its position weigh 0, adding exactly 0 as stored values are finite (zeros
@@ -151,7 +150,7 @@ def bucket(n: int) -> int:
 class Grid:
     """Rows packed for attention: Bc lanes (sequences) of Tq columns; rows read their lane's line."""
 
-    rows: Tensor  # (m,) long: the model's rows here, lane by lane
+    rows: Tensor  # (m,) long: model rows, lane by lane
     lane: Tensor  # (m,) each row's lane
     col: Tensor  # (m,) and its column
     kv: Tensor  # (Bc,) the cache line each lane reads
@@ -159,7 +158,7 @@ class Grid:
     Tk: int  # keys 0 .. Tk - 1: the last position + 1
 
     @staticmethod
-    def of(lanes: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
+    def of(lanes: list[tuple], static: bool, pad: Iterator[int]):
         """lanes: (cache line, positions, row indices) -> fields (pos flat), (Bc, Tq, Tk). static:
         sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
@@ -215,7 +214,7 @@ class Rows:
     alone: dict = field(default_factory=dict, repr=False)  # `__getitem__`'s
 
     @classmethod
-    def of(cls, rows: list[tuple], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
+    def of(cls, rows: list[tuple], slot_of: dict, S: int, device, static=False) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
         lanes = {}  # b -> (its loop, positions, row indices)
@@ -235,7 +234,7 @@ class Rows:
         order = list(itertools.chain(*(grid["rows"] for grid in grids)))  # the model's rows
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # One transfer: first the model's inputs (`flat`: its layout is the call's shape)
+        # One transfer: the model's inputs first (`flat`, laid out as the call's shape)
         lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
         lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder
         lists += itertools.chain(*(grid.values() for grid in grids))
@@ -303,7 +302,7 @@ class Attention(nn.Module):
         n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
-        # K (roped), V written before attending: rows see each other
+        # K (roped), V written first: rows see each other
         k_cache[rows.kv, :, rows.kv_pos] = k
         v_cache[rows.kv, :, rows.kv_pos] = self.v_proj(x).view(n, KVH, D)
         out = []
@@ -404,11 +403,11 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.model.norm, x)
 
     def gate_logits(self, h: Tensor, numerics: str = "fast") -> Tensor:
-        """h (n, C) -> exit-gate logits (n,) in the model dtype."""
+        """h (n, C) -> gate logits (n,), model dtype."""
         return by_rows(numerics, self.model.early_exit_gate, h)[:, 0]
 
     def readout(self, h: Tensor, numerics: str = "fast") -> Tensor:
-        """h (n, C) -> logits (n, V) in the model dtype."""
+        """h (n, C) -> logits (n, V), model dtype."""
         return by_rows(numerics, self.lm_head, h)
 
 
@@ -428,7 +427,7 @@ class LoopCache:
     holder: dict[int, int] = field(default_factory=dict)  # slot -> its last sequence
 
     @classmethod
-    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
+    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> LoopCache:
         cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
         shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
         new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
@@ -539,7 +538,7 @@ def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
 
 
 def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Tensor:
-    """Exits (n,) drawn after loop r: r or 0. Before min_loops stay; at R exit; else if u < lam."""
+    """Exits (n,) drawn after loop r: r or 0. Before min_loops stay, at R exit, else if u < lam."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
@@ -570,7 +569,7 @@ class Policy:
     mode: str = "deferred"  # MODES; "dense": a token runs R loops
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
-    exit_threshold: float | None = None  # tau; None: the config's (None: exit at R)
+    exit_threshold: float | None = None  # tau; None: the config's
     exit_rule: str = "survival"  # EXIT_CDFS
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
@@ -598,7 +597,7 @@ class Policy:
 
 def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> Tensor:
     """logits (n, V) -> log-probs (n, V) acc_dtype: / temperature, vLLM's top-k, top-p (§3)."""
-    t = policy.temperature if policy.temperature > 0 else 1.0
+    t = policy.temperature or 1.0
 
     def kept(z: Tensor) -> Tensor:
         x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
@@ -654,7 +653,7 @@ def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
 # --- Rollouts ---
 @dataclass
 class Schedule:
-    """A rollout's ordered calls (the shared prompt's too) and settings."""
+    """A rollout's calls in order (the shared prompt's too), settings."""
 
     calls: list[Call]
     policy: Policy  # the rollout's own
@@ -668,18 +667,18 @@ class Rollout:
     """Results are data: the replay, GRPO, the oracle read these fields."""
 
     prompts: list[list[int]]
-    completions: list[list[int]]  # sampled ids, a sampled stop id included
-    exit_loops: list[list[int]]  # each token's exit loop (1-based)
-    logprobs: Tensor  # (B, N) acc_dtype; 0 where mask is False
+    completions: list[list[int]]  # sampled ids, stop id included
+    exit_loops: list[list[int]]  # tokens' exit loops (1-based)
+    logprobs: Tensor  # (B, N) acc_dtype; 0 off the mask
     mask: Tensor  # (B, N) bool
-    schedule: Schedule | None  # None for records read from a file
-    policy: Policy  # the sampler's (the schedule's own)
+    schedule: Schedule | None  # None: read from a file
+    policy: Policy  # the sampler's (its schedule's)
     exit_logprobs: Tensor  # (B, N) log p(exit e); threshold: 0
 
     def tokens(self, device=None) -> Tensor:
         """(B, T) long: prompt + completion, right-padded with 0."""
         seqs = [prompt + c for prompt, c in zip(self.prompts, self.completions)]
-        T = max(len(s) for s in seqs)
+        T = max(map(len, seqs))
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     def select(self, seqs: list[int]) -> Rollout:
@@ -703,8 +702,8 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 
 class Seats:
-    """Who waits, who sits in which slot, each one's *focus* (newest position), loops `ran`.
-    A group's leader runs the prompt but its end, the others `held`, then shares it."""
+    """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
+    group's leader runs the prompt but its end, the others `held`, then shares it."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
@@ -724,7 +723,7 @@ class Seats:
         return enter
 
     def shared(self, a: int) -> None:
-        """Leader a's prompt is shared: its group goes on from their prompts' ends."""
+        """Leader a's prompt shared: its group goes on from their prompts' ends."""
         for b in [a] + [b for b, c in self.held.items() if c == a]:
             self.focus[b], self.ran[b] = self.ends[b], 0
             self.held.pop(b, None)
@@ -734,17 +733,17 @@ class Seats:
 class Tape:
     """What a rollout records, on the device."""
 
-    tokens: Tensor  # (B, T) long: the prompts, then each token drawn
-    prompt_end: Tensor  # (B,) each prompt's last position
+    tokens: Tensor  # (B, T) long: prompts, then tokens drawn
+    prompt_end: Tensor  # (B,) prompts' last positions
     completions: Tensor  # (B, N) token ids
     exits: Tensor  # (B, N) long exit loops; 0: none yet
     logprobs: Tensor  # (B, N) acc_dtype
-    gates: Tensor  # (B, N, R) the deciding rows' gate logits
+    gates: Tensor  # (B, N, R) deciding rows' gate logits
     stop_ids: Tensor  # (k,) long
 
 
 def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, gates, numerics: str):
-    """A call's deciding rows' gates into gates (B, N, R) -> (dec, b, t, r, g) (n_dec,) or None.
+    """Deciding rows' gates into gates (B, N, R) -> (dec, b, t, r, g) (n_dec,) or None.
     NOTE: rollout (exits 0), replay (exit e: loops 1..e) pass the same rows: same bits."""
     dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
     if not dec.numel():
@@ -756,7 +755,7 @@ def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, ga
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """Rollout step 3: deciding rows exit by rule or draw (taped) -> the exiting rows."""
+    """Rollout step 3: deciders exit by rule or draw (taped) -> the exiting rows."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -837,7 +836,7 @@ def rollout(
         calls.append(call)
         for b in loop:
             ran[b] += 1
-        # 3) Undecided newest positions decide: by the rule, or by a draw.
+        # 3) Undecided newest positions decide: by rule or by draw.
         call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
         # 4) Exiting rows read out and sample; a stop id or N tokens stop.
         stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
@@ -854,7 +853,7 @@ def rollout(
                 del seats.seat[s]  # free for the next sequence
             elif ran[b] == R:
                 focus[b], ran[b] = focus[b] + 1, 0
-    # 6) The exits' log-probs, from the deciding gates, as the replay's.
+    # 6) Exits' log-probs from the deciding gates, as the replay's.
     sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
     exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
@@ -869,7 +868,7 @@ def execute_schedule(
     model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
     on_call: Callable = lambda *a: None, on_readout: Callable = lambda *a: None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Run `calls` on ro's tokens -> tokens', exits' log-probs (B, N) (threshold exits' 0; 0 off mask)."""
+    """`calls` on ro's tokens -> tokens', exits' log-probs (B, N), 0 off the mask (threshold: exits 0)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
@@ -895,8 +894,8 @@ def execute_schedule(
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit if
-    weights are unchanged; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
+    """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit under
+    the same weights; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
     rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
@@ -908,14 +907,14 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """Teacher forcing's dense schedule: loop r of all positions at once, read at recorded exits."""
+    """Teacher forcing's dense schedule: loop r of all positions a call, read at recorded exits."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
     grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # prompt shared
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
             end = len(prompt) - 1  # the prompt's end reads out token 0
-            for p in range(end if b in grouped else 0, end + len(c)):  # the last token: not input
+            for p in range(end if b in grouped else 0, end + len(c)):  # the last token: no input
                 if kv.teacher_forced_runs(p, end, exits[p - end] if p >= end else 0, r):
                     rows.append((b, p, r))
             readout += [(b, end + i, r) for i, e in enumerate(exits) if e == r]
@@ -932,9 +931,9 @@ def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast"
 
 
 def hybrid(value: Tensor, tf: Tensor) -> Tensor:
-    """The learner's log-probs: the bits of `value` (the sampler's), the gradient of `tf`. NOTE:
-    tf - tf.detach() is exactly 0.0, x + 0.0 == x: `value`'s bits. `tf + (value - tf).detach()`
-    rounds once the two differ by 2x: NOT bitwise. A token top-k/top-p drops: no grad, not NaN."""
+    """The learner's log-probs: the bits of `value` (the sampler's), the gradient of `tf`. NOTE: in
+    this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x; `tf + (value - tf).detach()` is
+    not bitwise. A token top-k/top-p drops gets no gradient, not NaN."""
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
@@ -946,8 +945,8 @@ def joint_logprobs(ro: Rollout, tok: Tensor, ext: Tensor) -> Tensor:
 def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(hybrid(value, tf), tf) (B, N), joint. value: the exact (token, exit) log-probs if known
-    (iteration 1: the sampler's records), else the replay's."""
+    """(hybrid(value, tf), tf) (B, N), joint. value: exact (token, exit) log-probs (iteration 1:
+    the records); None: the replay's."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
@@ -960,7 +959,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
-    """rewards (B,), groups of G in a row -> (B,): r - mean(group), / (group's or batch's std + eps)."""
+    """rewards (B,) in groups of G -> (B,): r - group mean, / (group's or batch's std + eps)."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -981,12 +980,12 @@ class GRPOConfig:
     beta: float = 0.0  # k3 KL to a frozen reference; 0 = off
     scale_rewards: str = "group"
     loss_agg: str = "token_mean"
-    mu: int = 1  # inner iterations per batch of rollouts
+    mu: int = 1  # iterations per rollout batch
     adv_eps: float = 1e-4
-    check_replay: bool = True  # replay iteration 1 too; refuse a differing bit
-    drop_tied: bool = False  # leave out groups whose rewards all tie (§6)
-    micro_batch: int = 0  # sequences a backward (0: all), gradients summed
-    grad_checkpoint: bool = False  # teacher forcing recomputed in backward
+    check_replay: bool = True  # replay iteration 1 too; refuse a bit differing
+    drop_tied: bool = False  # drop groups whose rewards all tie (§6)
+    micro_batch: int = 0  # sequences a backward (0: all); gradients add
+    grad_checkpoint: bool = False  # teacher forcing redone in backward
 
 
 def loss_count(mask: Tensor, loss_agg: str, all_reduce: Callable | None = None):
@@ -1029,14 +1028,14 @@ class ReplayMismatchError(RuntimeError): ...  # the replay is not the sampler, b
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
-    """NonFiniteError naming what, and which parameters, stopped being finite."""
+    """NonFiniteError naming what, and which parameters, are not finite."""
     if not bool(ok):
-        bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
+        bad = [name for name, p in model.named_parameters() if not p.isfinite().all()][:5]
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
 def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask) -> dict:
-    """The replay against the sampler, bit for bit: tokens' and exits' log-probs."""
+    """The replay against the sampler, bit for bit: tokens', exits' log-probs."""
     tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N), on the host
     mask, sampled = mask.cpu(), ro.policy.exit_policy == "sampled"
     pairs = ((tok, ro.logprobs), (ext, ro.exit_logprobs))
@@ -1063,8 +1062,8 @@ def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
     """Micro-batches' stats: token-weighted means over `total`; extremes of extremes."""
     if tokens == [total]:  # the whole step
         return stats[0]
-    mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
-    pooled = {key: mean(key) for key in ("kl", "clip_ratio") if key in stats[0]}
+    mean = lambda k: sum(s[k] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
+    pooled = {k: mean(k) for k in ("kl", "clip_ratio") if k in stats[0]}
     return pooled | {"ratio_max": max(s["ratio_max"] for s in stats), "ratio_min": min(s["ratio_min"] for s in stats)}
 
 
@@ -1149,9 +1148,8 @@ def grpo_update(
 
 
 def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
-    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p).
-    Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
+    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i = lam_i * remaining; remaining *= 1 - lam_i;
+    p_R = remaining; cumsum(p). Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
     lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
     wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
@@ -1176,14 +1174,11 @@ class CudaGraphError(RuntimeError):
 
 
 class CallGraphs:
-    """`LoopedLM.loop` of static calls, each call shape a CUDA graph (all L layers), captured on the model's device
-    at its first call and replayed after with the call's rows copied into its buffers: the eager call's bits. The
-    audit cannot see a wrong graph (the replay runs it too), so each graph's first replay must equal its eager
-    warm-up bit for bit (`CudaGraphError` if not, or if the capture recorded nothing). A graph holds its cache's
-    address, so the static caches are kept here: one storage a layer, grown to the largest asked (dropping every
-    graph), each cache shape a view, zeroed for each rollout (masked keys get weight 0, but 0 x NaN is NaN); at most
-    `max_graphs` graphs, the least recently used dropped. Calls with gradients, other numerics or over `max_rows`
-    rows run eagerly. `capture=False` (the CPU's tests): the same static buffers, eager. Off: `--no-cuda-graphs`."""
+    """`LoopedLM.loop` of static calls, a CUDA graph a call shape, captured at its first call, then replayed on the
+    call's rows copied in. Its one claim, graph == eager static call bit for bit, is checked at capture (the audit
+    cannot see it: the replay runs the graph too). A graph holds its cache's address, so the caches live here, one
+    storage a layer, zeroed each rollout (0 x NaN is NaN); at most `max_graphs`, LRU. Grad, other numerics, over
+    `max_rows` rows: eager. `capture=False` (CPU tests): the same buffers, eager. Off: `--no-cuda-graphs`."""
 
     def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
         self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
@@ -1314,10 +1309,8 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         if depth > JSON_MAX_DEPTH:
             raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
     if m := re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare):
-        raise ValueError(
-            f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
-            f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
-        )
+        most = f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
+        raise ValueError(f"{where}:{line_of(m.start())} a number with {len(m.group())} digits {most}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -1383,9 +1376,8 @@ def check_config(kw: dict) -> None:
         raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {c['total_ut_steps']}")
     C, H, G = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     if c["head_dim"] == 0 and C % H:
-        raise ValueError(
-            f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C}) when 'head_dim' is not given"
-        )
+        why = f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C})"
+        raise ValueError(f"{why} when 'head_dim' is not given")
     D = c["head_dim"] or C // H
     if D < 2 or D % 2:
         raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {D}")
@@ -1410,11 +1402,9 @@ def _build_config(kw: dict, source: str) -> Config:
         need = _config_bytes(cfg)  # refused before anything is allocated
         if sum(need.values()) > MAX_MODEL_BYTES:
             parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-            raise ValueError(
-                f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
-                f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
-                f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
-            )
+            kv = f"KV cache for one {min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence"
+            limit = f"more than the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
+            raise ValueError(f"this config would need {sum(need.values()):,} bytes ({parts}; {kv}), {limit}")
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
     return cfg
@@ -1656,10 +1646,8 @@ def load_checkpoint(
     if non_finite:
         raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
     if bad_names:
-        raise ValueError(
-            f"{path}: checkpoint does not match its config.json:\n  missing tensors: {missing}\n"
-            f"  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
-        )
+        bad = f"missing tensors: {missing}\n  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
+        raise ValueError(f"{path}: checkpoint does not match its config.json:\n  {bad}")
     return model
 
 
@@ -1920,9 +1908,8 @@ class LoopOutputs:
 def loop_outputs(model: LoopedLM, idx: Tensor, numerics: str = "fast") -> LoopOutputs:
     """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
-    rows = Rows.of(
-        [(b, p, 1) for b, p in itertools.product(range(B), range(T))], dict(enumerate(range(B))), B, idx.device
-    )
+    all_rows = [(b, p, 1) for b, p in itertools.product(range(B), range(T))]
+    rows = Rows.of(all_rows, dict(enumerate(range(B))), B, idx.device)
     h = model.model.embed_tokens(idx.reshape(-1))  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
@@ -1949,11 +1936,10 @@ def ouro_loss(out: LoopOutputs, targets: Tensor, mask: Tensor, beta: float = 0.0
 def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, dev=None, band=(1, 1)
 ) -> float:
-    """Supervised steps on gold answers (Ouro objective with entropy bonus `beta`, completion tokens; batches of 32,
-    AdamW at 1.5e-3), so GRPO starts at a pass rate in (0, 1).
-    `dev(model, tok, step)` (the demo: greedy accuracy on its dev problems), checked every 20 steps and at the last,
-    ends it at the first check that reaches band = (lo, hi). A check above hi after one below lo took too many steps at
-    once: the steps between them run again, checked every 5 (weights, AdamW and data draws restored: the same bits)."""
+    """Supervised steps on gold answers (Ouro objective, entropy bonus `beta`, completion tokens; batches of 32, AdamW
+    at 1.5e-3), so GRPO starts at a pass rate in (0, 1). `dev(model, tok, step)` (the demo: dev greedy accuracy),
+    checked every 20 steps and at the last, ends it at the first check reaching band = (lo, hi); one above hi after one
+    below lo: those steps run again, checked every 5 (weights, AdamW, data draws restored: the same bits)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=1.5e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss, step, every, why, back = torch.tensor(float("nan")), 0, 20, "", None
     while step < steps and not why:
@@ -2109,9 +2095,8 @@ def check_flags(flags) -> None:
     if (n := getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)) > MAX_COUNT:  # between flags
         raise ValueError(f"--prompts-per-step x --group-size = {n:,} sequences per step; at most {MAX_COUNT:,}")
     if getattr(flags, "exit_policy", None) == "sampled" and flags.exit_rule != "survival":
-        raise ValueError(
-            "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic), got 'sampled'"
-        )
+        why = "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic)"
+        raise ValueError(f"{why}, got 'sampled'")
     if getattr(flags, "thinking", False) and flags.prompt_format != "chat":
         raise ValueError("--thinking needs --prompt-format chat (it is the chat template's enable_thinking)")
     if getattr(flags, "resume", False) and not flags.out:
@@ -2585,10 +2570,8 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
     pairs = (encode_problem(tok, p) for p in problems)  # the rollout's prompt, the warm start's gold sequence
     fit = [p for p, (prompt, gold) in zip(problems, pairs) if len(prompt) + max(n, len(gold) - 1) <= limit]
     if len(fit) < len(problems):  # NOTE: a subset keeps its seeded draw; long GSM8K problems are rare, not an error
-        say(
-            f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} "
-            f"(or + the gold answer, for the warm start) exceeds max_position_embeddings={limit}"
-        )
+        why = f"(or + the gold answer, for the warm start) exceeds max_position_embeddings={limit}"
+        say(f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} {why}")
     if not fit:
         raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: no problem fits max_position_embeddings")
     return fit
@@ -3085,25 +3068,22 @@ def _check_reference_finite(model: LoopedLM, rec: dict, kv: str, lp: Tensor, gat
         with torch.no_grad():
             at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0][0]
         if bool(torch.isfinite(at_one).all()):
-            raise ValueError(
-                f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow "
-                f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
-            )
+            why = f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
+            raise ValueError(f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow {why}")
     raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
 
 
 def sampler_seed(seed: int, index: int) -> int:
-    """The seed of the sampler test's uniforms for sequence `index`. NOTE: a stream apart from the rollout's
-    (`sequence_seed`): a sampler's uniform lies inside its token's interval, so reusing it would tie the PIT's
-    uniform to the token, and the values would not be uniform even for a perfect engine."""
+    """The seed of the sampler test's uniforms for sequence `index`. NOTE: apart from the rollout's (`sequence_seed`):
+    a sampler's uniform lies in its token's interval; reused, the PIT would not be uniform even for a perfect engine."""
     return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def randomized_pit(logp: Tensor, tokens: Tensor, uniforms: Tensor) -> Tensor:
-    """The randomized probability integral transform of drawn tokens under a policy: logp (k, V), tokens (k,),
-    uniforms (k,) -> (k,) float64 u = F(before) + U * p(token), the vocabulary ordered by probability, highest first
-    (ties by id). For draws from this policy u ~ U(0, 1) exactly; the order makes common faults visible: a lower
-    temperature piles u near 0, a higher one or another loop's logits spread it, truncation empties the top."""
+    """The randomized PIT of drawn tokens: logp (k, V), tokens (k,), uniforms (k,) -> (k,) float64 u = F(before) + U *
+    p(token), the vocabulary by probability, highest first (ties by id). For draws from this policy u ~ U(0, 1); the
+    order shows faults: a lower temperature piles u near 0, a higher one or another loop spreads it, truncation
+    empties the top."""
     probs = logp.double().exp()  # (k, V)
     probs = probs / probs.sum(1, keepdim=True)  # exp(log_softmax) sums to 1 only to rounding
     ranked, order = probs.sort(dim=1, descending=True, stable=True)  # (k, V)
@@ -3246,6 +3226,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: Tensor | None, raw: b
             ran[b, k] = r[i]
 
     def score_policy(call: Call, logp: Tensor) -> None:  # logp (k, V), the readout rows' policy
+        if uniforms is None:  # no sampler test: policy stays NaN
+            return
         b, k = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
         logp = policy_logprobs(logp, sampled) if raw else logp  # (k, V) shift-invariant: as from the logits
@@ -3256,8 +3238,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: Tensor | None, raw: b
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        calls, scored = teacher_forced_schedule(ro, R), None if uniforms is None else score_policy
-        lp, exit_lp = execute_schedule(model, ro, calls, "fast", collect_gates, scored)
+        calls = teacher_forced_schedule(ro, R)
+        lp, exit_lp = execute_schedule(model, ro, calls, "fast", collect_gates, score_policy)
     return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
@@ -3504,10 +3486,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
             m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
             print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
         for k in f.exit_logprobs[:3]:
-            print(
-                f"      token {k}: exit loop {rec['exit_loops'][k]}, recorded exit log-prob "
-                f"{rec['exit_logprobs'][k]:.6f}, reference {float(res.exit_logprobs[k]):.6f}"
-            )
+            e, recorded, ref = rec["exit_loops"][k], rec["exit_logprobs"][k], float(res.exit_logprobs[k])
+            print(f"      token {k}: exit loop {e}, recorded exit log-prob {recorded:.6f}, reference {ref:.6f}")
         for k in f.greedy[:3]:
             gap = float(res.greedy_gap[k])
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
@@ -3562,14 +3542,11 @@ def cmd_verify(args) -> int:
     within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
     model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
     records = read_records(args.rollouts, model.config)
-    opts = VerifyOptions.for_engine(
-        args.engine_dtype, threshold=args.exit_threshold, **flag_fields(VerifyOptions, args)
-    )
+    fields = flag_fields(VerifyOptions, args)
+    opts = VerifyOptions.for_engine(args.engine_dtype, threshold=args.exit_threshold, **fields)
     tolerances = "calibrated" if opts.calibrate else f"atol={opts.atol:g}, flip margin={opts.flip_margin:g}"
-    print(
-        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv})"
-    )
+    what = f"{args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv}"
+    print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} ({what})")
     t0 = shown = time.time()
 
     def progress(done: int) -> None:  # a line at most every 2 seconds, and one at the end
@@ -3587,10 +3564,9 @@ def cmd_verify(args) -> int:
         return 2 if isinstance(e, ValueError) else 1
     if cal is not None:
         opts = cal.options(opts, args.atol, args.flip_margin)
-        print(
-            f"  calibrated on the reference in {args.engine_dtype} ({'/'.join(map(str, cal.layouts))} sequences a "
-            f"pass): atol={opts.atol:.3g}, flip margin={opts.flip_margin:.3g}, rank and flip tests at {opts.alpha:g}"
-        )
+        tests = f"atol={opts.atol:.3g}, flip margin={opts.flip_margin:.3g}, rank and flip tests at {opts.alpha:g}"
+        layouts = "/".join(map(str, cal.layouts))
+        print(f"  calibrated on the reference in {args.engine_dtype} ({layouts} sequences a pass): {tests}")
     seconds, summary = time.time() - t0, verify_summary(records, results, opts, cal)
     summary.update(engine_dtype=args.engine_dtype, exit_rule=args.exit_rule, seconds=round(seconds, 3))
     summary.update(sequences_per_second=round(len(records) / max(seconds, 1e-9), 1))
@@ -3598,21 +3574,16 @@ def cmd_verify(args) -> int:
     if flips := summary["near_threshold_flips"]:
         print(f"  {flips} near-threshold exit flips (|CDF - threshold| <= {opts.flip_margin:g}): not failures")
     if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < opts.sampler_alpha:
-        print(
-            f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
-            f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
-        )
+        ks = f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
+        print(f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy {ks}")
     if {"rank_test", "flip_test"} & set(summary["failed_checks"]):
         c, g = summary["calibration"], lambda p: "-" if p is None else f"{p:.2e}"
-        print(
-            f"  CALIBRATION: more than the reference's own {args.engine_dtype} rounding explains: |diff| rank test p = "
-            f"{g(c['rank_p_value'])}, exits off the rule {c['engine_exit_flips']} (its {c['exit_flips']}): p = "
-            f"{g(c['flip_p_value'])}"
-        )
+        exits = f"exits off the rule {c['engine_exit_flips']} (its {c['exit_flips']}): p = {g(c['flip_p_value'])}"
+        why = f"more than the reference's own {args.engine_dtype} rounding explains"
+        print(f"  CALIBRATION: {why}: |diff| rank test p = {g(c['rank_p_value'])}, {exits}")
     if args.plot:
-        save_plot(
-            Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, model.config.total_ut_steps, cal)
-        )
+        R = model.config.total_ut_steps
+        save_plot(Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, R, cal))
     passed = summary.pop("passed")
     print(json.dumps(summary))
     return 0 if passed else 1
@@ -3635,10 +3606,8 @@ def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
             problem = f"found {bad}" if bad else "it is empty"
             raise ValueError(f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1} ({problem})")
         if len(ids) + flags.max_new_tokens > limit:
-            raise ValueError(
-                f"{where}: {key!r}: {len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit "
-                f"max_position_embeddings={limit}"
-            )
+            over = f"{len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit"
+            raise ValueError(f"{where}: {key!r}: {over} max_position_embeddings={limit}")
         prompts.append(ids)
     if not prompts:
         raise ValueError(f"{flags.prompts}: no prompts")
@@ -3659,10 +3628,8 @@ def cmd_rollout(args) -> int:
     run = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, max_num_seqs=args.max_num_seqs)
     ro = rollout(model, prompts, policy, **run)
     if bad := int((~torch.isfinite(ro.logprobs) & ro.mask).sum()):  # never write a record no verifier could check
-        raise ValueError(
-            f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
-            "small, or the model's logits overflow); nothing written"
-        )
+        why = f"(--temperature {args.temperature} too small, or the model's logits overflow)"
+        raise ValueError(f"{bad} sampled tokens have non-finite log-probs {why}; nothing written")
     records = rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(Path(args.out), lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
@@ -3731,9 +3698,8 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
 
 
 def no_wait_calls(ro: Rollout, slots: int = 0) -> int:
-    """The calls of a rollout in which no sequence waits for another: each a job of the calls it makes alone
-    (deferred: the sum of its tokens' exit loops; dense: R a token), placed in order into `slots` (0: all) as
-    they free."""
+    """The calls of a rollout in which no sequence waits for another: each a job of the calls it makes alone (deferred:
+    the sum of its tokens' exit loops; dense: R a token), placed in order into `slots` (0: all) as they free."""
     free, R = [0] * (slots or len(ro.prompts)), ro.schedule.loops  # free: a heap of when each slot frees
     for exits in ro.exit_loops:
         heapq.heapreplace(free, free[0] + (sum(exits) if ro.policy.mode == "deferred" else R * len(exits)))
@@ -3754,15 +3720,11 @@ def _check_bench_positions(args, cfg: Config, real: bool) -> None:
     """Every sequence the bench runs fits the model's positions, checked once its config is read, before any work."""
     P = cfg.max_position_embeddings
     if BENCH_PROMPT_MAX + args.new_tokens > P:
-        raise ValueError(
-            f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}, "
-            "the model's max_position_embeddings"
-        )
+        over = f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}"
+        raise ValueError(f"{over}, the model's max_position_embeddings")
     if not real and args.cache_prompt + args.cache_tokens > P:  # (--model: the cache test runs the short prompt)
-        raise ValueError(
-            f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}, "
-            "the model's max_position_embeddings"
-        )
+        over = f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}"
+        raise ValueError(f"{over}, the model's max_position_embeddings")
 
 
 class _BenchSetup:
@@ -4237,10 +4199,8 @@ def cmd_demo(flags) -> int:
         return warm["dev_accuracy"]
 
     def report(when: str, r: dict, note: str) -> None:
-        print(
-            f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note}); mean exit loop "
-            f"{r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s"
-        )
+        lead = f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note})"
+        print(f"{lead}; mean exit loop {r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s")
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))
