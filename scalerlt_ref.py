@@ -4,14 +4,14 @@ A looped LM applies L decoder layers R times ("loops"); after each loop an exit
 gate says whether the token is done. A teaching reference, a GRPO trainer and an
 oracle for engines; its contract: the README's "Contract" (§N).
 
-The method: a deferred rollout stops a token at its exit loop; the skipped loops
+The method: a deferred rollout stops a token at its exit loop; skipped loops
 ride along later calls when a later token needs their K/V. A rollout records its
 *schedule*; the replay runs it through the same function: the same bits. The
 learner's value is the sampler's record (the replay audits it) or the replay; its
 gradient a dense teacher-forced pass. Simplified: one model a process, a dense KV
 cache, no sliding window, no bias.
 
-Letters, one meaning each (rarer names where they are used):
+Letters, one meaning each (rarer ones where used):
     shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
              R loops      L layers     C width       I MLP width
              H heads      KVH K/V heads  D head size  S slots (in flight)
@@ -61,7 +61,7 @@ class Config:
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
-    intermediate_size: int = 128  # I, the MLP width
+    intermediate_size: int = 128  # I
     num_hidden_layers: int = 2  # L, layers per loop
     num_attention_heads: int = 4  # H
     num_key_value_heads: int = 2  # KVH; H a multiple of it (GQA when KVH < H)
@@ -71,7 +71,7 @@ class Config:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False  # Ouro's head is untied; tied ones load
+    tie_word_embeddings: bool = False  # Ouro's is untied; tied ones load
     initializer_range: float = 0.02  # random init's std (tiny models)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -114,7 +114,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 # --- Calls: rows, slots, cache lines; packing a call ---
 # A *row* (b, p, r): position p of sequence b at loop r; a *call* runs rows through the
-# L layers at once, each at its loop. Sequences in flight sit in *slots*; loop r's K/V
+# L layers at once, each at its loop. Sequences in flight hold *slots*; loop r's K/V
 # of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop r - 1
 # output (h) and its sequence's loop-r K/V up to its position.
 
@@ -148,7 +148,7 @@ def bucket(n: int) -> int:
 
 @dataclass
 class Grid:
-    """Rows packed for attention: Bc lanes (sequences) of Tq columns; rows read their lane's line."""
+    """Rows packed for attention: Bc lanes (sequences) of Tq columns; a row reads its lane's line."""
 
     rows: Tensor  # (m,) long: model rows, lane by lane
     lane: Tensor  # (m,) each row's lane
@@ -189,9 +189,9 @@ class Rows:
     Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
-          0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
+          0     0   2  1   pos 7           Bc 2, Tq 1, Tk 10
           0     1   5  3   pos 9
-          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5"""
+          1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5"""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -217,7 +217,7 @@ class Rows:
     def of(cls, rows: list[tuple], slot_of: dict, S: int, device, static=False) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
-        lanes = {}  # b -> (its loop, positions, row indices)
+        lanes = {}  # b -> (loop, positions, row indices)
         for i, (b, p, r) in enumerate(rows):
             loop, ps, index = lanes.setdefault(b, (r, [], []))
             if loop != r or r < 1:
@@ -532,7 +532,7 @@ def exit_loops(
 
 
 def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
-    """Each generator's next draw, on the host: (n,) float64 in [0, 1) (None: 0)."""
+    """Each generator's next host draw: (n,) float64 in [0, 1) (None: 0)."""
     draws = [torch.rand((), generator=gen, dtype=torch.float64) if gen else 0.0 for gen in gens]
     return torch.tensor(draws, dtype=torch.float64).to(device)
 
@@ -558,7 +558,7 @@ def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tens
 
 
 # --- The policy: log-probabilities, the readout, sampling ---
-# "threshold": the rule above; "sampled": the exit is drawn, an action (log p joins the step's).
+# "threshold": the rule above; "sampled": a drawn exit, an action (log p joins the step's).
 MODES, EXIT_POLICIES = ("dense", "deferred"), ("threshold", "sampled")
 
 
@@ -574,7 +574,7 @@ class Policy:
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
-    top_k: int = 0  # only the k most likely tokens (0: all)
+    top_k: int = 0  # the k likeliest tokens only (0: all)
     top_p: float = 1.0  # ... the fewest reaching probability top_p
     stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none, nor EOS
 
@@ -659,12 +659,12 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro): a file's
+    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro), a file's
 
 
 @dataclass
 class Rollout:
-    """Results are data: the replay, GRPO, the oracle read these fields."""
+    """Results are data: the replay, GRPO and the oracle read them."""
 
     prompts: list[list[int]]
     completions: list[list[int]]  # sampled ids, stop id included
@@ -682,7 +682,7 @@ class Rollout:
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     def select(self, seqs: list[int]) -> Rollout:
-        """Sequences `seqs` alone, without the schedule."""
+        """Sequences `seqs` alone, no schedule."""
         lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
         tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
         return dataclasses.replace(self, **lists, **tensors, schedule=None)
@@ -712,7 +712,7 @@ class Seats:
         self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> a
 
     def enter(self) -> list[tuple[int, int]]:
-        """Free slots take the next sequences: (b, s) pairs."""
+        """Free slots take the next sequences: (b, s)."""
         enter = [(self.waiting.pop(), s) for s in range(self.S) if s not in self.seat and self.waiting]
         self.seat |= {s: b for b, s in enter}
         leader = {}
@@ -899,7 +899,7 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
-    if ro.schedule.check is not None:  # from outside (`schedule_from_json`)
+    if ro.schedule.check is not None:  # from a file
         ro.schedule.check(ro.schedule, ro)
     with torch.no_grad():
         tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
@@ -977,7 +977,7 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
-    beta: float = 0.0  # k3 KL to a frozen reference; 0 = off
+    beta: float = 0.0  # k3 KL to a frozen reference; 0: off
     scale_rewards: str = "group"
     loss_agg: str = "token_mean"
     mu: int = 1  # iterations per rollout batch
