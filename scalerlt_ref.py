@@ -1,26 +1,23 @@
 """ScaleRLT reference: exact RL on looped (Ouro-style) language models.
 
-A looped LM applies L decoder layers R times ("loops"); after each loop an
-exit gate says whether the token is done. A teaching reference, a GRPO trainer
-and an oracle for engines; its contract: the README's "Contract" (§N).
+A looped LM applies L decoder layers R times ("loops"); after each loop an exit
+gate says whether the token is done. A teaching reference, a GRPO trainer and an
+oracle for engines; its contract: the README's "Contract" (§N).
 
-The method: a deferred rollout stops a token at its exit loop; the skipped
-loops run later, riding along in later calls, when a later token needs their
-K/V. A rollout records its *schedule*; the replay runs it through the same
-function: the same bits. The learner's value is the sampler's record (the
-replay audits it) or the replay; its gradient a dense teacher-forced pass.
-Below the banner "THE METHOD ENDS HERE": tooling. Simplified: one model a
-process, a dense KV cache, no sliding window, no bias.
+The method: a deferred rollout stops a token at its exit loop; skipped loops
+ride along later calls when a later token needs their K/V. A rollout records its
+*schedule*; the replay runs it through the same function: the same bits. The
+learner's value is the sampler's record (the replay audits it) or the replay; its
+gradient a dense teacher-forced pass. Simplified: one model a process, a dense KV
+cache, no sliding window, no bias.
 
-Letters, one meaning each (rarer names are defined where they are used):
-
+Letters, one meaning each (rarer ones where used):
     shapes   B sequences  T positions  N new tokens  V vocabulary  n rows
              R loops      L layers     C width       I MLP width
              H heads      KVH K/V heads  D head size  S slots (in flight)
-    indices  b sequence   p position (0-based)   r loop (1-based)   e exit loop
-             s slot
-    values   x layer input   h loop output   g gate logit   lam sigmoid(g)
-             tau exit threshold   u uniform draw   logp log-probabilities
+    indices  b sequence  p position (0-based)  r loop (1-based)  e exit  s slot
+    values   x layer input  h loop output  g gate logit  lam sigmoid(g)
+             tau exit threshold  u uniform draw  logp log-probabilities
     GRPO     G per prompt  P prompts  ro rollout  tf teacher-forced  adv, rw, it
 
 Run: `python scalerlt_ref.py --help`; test: `pytest -q test_ref.py`."""
@@ -47,35 +44,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-# NOTE: read as torch is imported: MKL_DYNAMIC keeps the bits on busy cores, OMP_WAIT_POLICY the speed.
+# NOTE: read as torch loads. MKL_DYNAMIC: bits on busy cores; OMP_WAIT_POLICY: speed.
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import torch.utils.checkpoint  # noqa: E402
-from torch import Tensor  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor
 
 
 # --- Config ---
 @dataclass
 class Config:
-    """A looped model's shape, in HF Ouro's config.json names (trusted)."""
+    """A looped model's shape in HF Ouro's config.json names (trusted)."""
 
     vocab_size: int = 260  # V
     hidden_size: int = 64  # C
-    intermediate_size: int = 128  # I, the MLP width
+    intermediate_size: int = 128  # I
     num_hidden_layers: int = 2  # L, layers per loop
     num_attention_heads: int = 4  # H
     num_key_value_heads: int = 2  # KVH; H a multiple of it (GQA when KVH < H)
     head_dim: int = 0  # D; 0: hidden_size // num_attention_heads
     total_ut_steps: int = 4  # R, loops (Ouro: "universal transformer steps")
-    early_exit_threshold: float | None = 1.0  # tau; None: every token exits at R
+    early_exit_threshold: float | None = 1.0  # tau; None: all exit at R
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False  # Ouro's head is untied; tied ones load
-    initializer_range: float = 0.02  # std of the random init (tiny models)
+    tie_word_embeddings: bool = False  # Ouro's is untied; tied ones load
+    initializer_range: float = 0.02  # random init's std (tiny models)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -90,12 +87,12 @@ NUMERICS = ("fast", "static", "invariant")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmaxes', norms' and the exit rule's dtype (float64 for float64)."""
+    """Softmaxes', norms', the exit rule's dtype (float64 for float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """`fn` of all rows at once, or ("invariant") of each row alone: the same bits whatever shares its call."""
+    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -103,7 +100,7 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (why: Derivations)."""
+    """sigmoid by the scalar kernel: batch-independent bits (Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -115,25 +112,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# --- Calls: rows, slots, cache lines; a call packed for the model ---
-# A *row* (b, p, r) is position p of sequence b at loop r; a *call* runs rows through all L layers at once,
-# each at its own loop. Sequences in flight sit in *slots*; K/V of loop r of slot s is *cache line*
-# (r - 1) * S + s (line -1: padding's scratch). A row reads its own loop r - 1 output (h) and the loop-r
-# K/V of its sequence's positions up to its own: `execute_call` checks that both exist.
+# --- Calls: rows, slots, cache lines; packing a call ---
+# A *row* (b, p, r): position p of sequence b at loop r; a *call* runs rows through the
+# L layers at once, each at its loop. Sequences in flight hold *slots*; loop r's K/V
+# of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop r - 1
+# output (h) and its sequence's loop-r K/V up to its position.
 
 
-class ScheduleError(RuntimeError):
-    """A call breaks what deferral keeps (Contract §4)."""
+class ScheduleError(RuntimeError): ...  # a call breaks deferral's invariant (§4)
 
 
-class NonFiniteError(RuntimeError):
-    """Logits, loss or gradients stopped being finite."""
+class NonFiniteError(RuntimeError): ...  # logits, loss or gradients not finite
 
 
 @dataclass
 class Call:
-    """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: the rows
-    that exit and sample; share: (dst, src), after the call dst's cache becomes src's."""
+    """Rows (b, p, r), a sequence's at one loop. enter: (b, s) seated first; readout: rows
+    that exit and sample; share: (dst, src): then dst's cache is src's."""
 
     rows: list[tuple[int, int, int]]
     readout: list[tuple[int, int, int]] = field(default_factory=list)
@@ -141,22 +136,21 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-# Static numerics (CUDA graphs need few shapes): each size of a call a `bucket`, padded with rows (zeros at
-# position 0) and lanes. NOTE: no padding reaches a real row. Rows are alone in linear layers and norms; padding
-# writes only line -1, read only by padding lanes; a real row's keys past its position weigh exactly 0, adding
-# exactly 0 as every stored value is finite (the cache starts at zeros); a padding row has key 0 (no softmax
-# over all -inf). The replay pads alike.
+# Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
+# position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
+# layers and norms; padding writes line -1, read by padding lanes only; a real row's
+# keys past its position weigh 0, adding exactly 0 as stored values are finite (zeros
+# at first); a padding row has key 0 (no softmax over all -inf). Replays pad alike.
 def bucket(n: int) -> int:
-    """A static size >= n: a power of two to 128, then a multiple of 128."""
+    """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
 
 
 @dataclass
 class Grid:
-    """A call's rows packed for attention: Bc lanes (a sequence each) of Tq columns;
-    a row attends to its lane's cache line only."""
+    """Rows packed for attention: Bc lanes (sequences) of Tq columns; a row reads its lane's line."""
 
-    rows: Tensor  # (m,) long: the model's rows here, lane by lane
+    rows: Tensor  # (m,) long: model rows, lane by lane
     lane: Tensor  # (m,) each row's lane
     col: Tensor  # (m,) and its column
     kv: Tensor  # (Bc,) the cache line each lane reads
@@ -164,10 +158,9 @@ class Grid:
     Tk: int  # keys 0 .. Tk - 1: the last position + 1
 
     @staticmethod
-    def of(lanes: list[tuple[int, list[int], list[int]]], static: bool, pad: Iterator[int]):
-        """lanes: (cache line, positions, rows' indices), one a sequence -> the fields as
-        lists (pos flat), the shape (Bc, Tq, Tk). static: sizes `bucket`ed; padding lanes
-        read line -1; padding rows (indices from `pad`) fill free cells, of real lanes too."""
+    def of(lanes: list[tuple], static: bool, pad: Iterator[int]):
+        """lanes: (cache line, positions, row indices) -> fields (pos flat), (Bc, Tq, Tk). static:
+        sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
         m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
@@ -191,40 +184,40 @@ class Grid:
 
 @dataclass
 class Rows:
-    """A call's rows as the model's inputs, sent at once. Every row shares every matmul;
-    attention reads grids: a sequence's rows form a lane; lanes of one row and of
-    several pack apart. Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
+    """A call's rows as the model's inputs, sent at once. Rows share every matmul; attention
+    reads grids: a sequence's rows are a lane; lanes of one row, of several pack apart.
+    Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
-          0     0   2  1   pos 7               Bc 2, Tq 1, Tk 10
+          0     0   2  1   pos 7           Bc 2, Tq 1, Tk 10
           0     1   5  3   pos 9
-          1     0   0  2   pos 3   pos 4       Bc 1, Tq 2, Tk 5"""
+          1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5"""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
     S: int  # slots
     static: bool
-    seq: Tensor  # (n,) long, and likewise:
+    seq: Tensor  # (n,) long, as pos, loop, slot
     pos: Tensor
     loop: Tensor
     slot: Tensor
     lane_slot: Tensor  # (lanes,) its slot, loop, last position
     lane_loop: Tensor
     lane_last: Tensor
-    kv: Tensor  # (n + pad,) the cache line a model row writes
-    kv_pos: Tensor  # (n + pad,) and the position (RoPE's)
-    unorder: Tensor  # (n + pad,) the grids' rows back in order
+    kv: Tensor  # (n + pad,) the cache line a row writes
+    kv_pos: Tensor  # (n + pad,) and its position
+    unorder: Tensor  # (n + pad,) grids' rows back in order
     in_order: bool  # one grid in order: no `unorder`
     grids: list[Grid]
     pad: int
     flat: Tensor  # the model's inputs (kv ... grids: views)
-    alone: dict = field(default_factory=dict, repr=False)  # by `__getitem__`
+    alone: dict = field(default_factory=dict, repr=False)  # `__getitem__`'s
 
     @classmethod
-    def of(cls, rows: list[tuple[int, int, int]], slot_of: dict[int, int], S: int, device, static=False) -> Rows:
+    def of(cls, rows: list[tuple], slot_of: dict, S: int, device, static=False) -> Rows:
         if not rows or any(a[:2] >= b[:2] for a, b in zip(rows, rows[1:])):
             raise ScheduleError("a call's rows must be one or more (b, p, r), sorted and unique")
-        lanes = {}  # b -> (its loop, positions, row indices)
+        lanes = {}  # b -> (loop, positions, row indices)
         for i, (b, p, r) in enumerate(rows):
             loop, ps, index = lanes.setdefault(b, (r, [], []))
             if loop != r or r < 1:
@@ -233,31 +226,30 @@ class Rows:
             index.append(i)
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lanes.items()}
         pad, grids, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
-        for alone in (True, False):  # lanes of one row, then lanes of several
+        for alone in (True, False):  # lanes of one row, then of several
             some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == alone]
             if some:
                 grid, shape = Grid.of(some, static, pad)
                 grids, shapes = grids + [grid], shapes + [shape]
-        order = [i for grid in grids for i in grid["rows"]]  # the model's rows, grid by grid
+        order = list(itertools.chain(*(grid["rows"] for grid in grids)))  # the model's rows
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # One transfer: kv, kv_pos, unorder, each grid's fields (the model's inputs, `flat`: its layout is the
-        # call's shape, `CallGraphs`); then seq, pos, loop, slot; then lane_slot, lane_loop, lane_last.
+        # One transfer: the model's inputs first (`flat`, laid out as the call's shape)
         lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        lists += [sorted(range(n_pad), key=order.__getitem__)] + [f for grid in grids for f in grid.values()]
+        lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder
+        lists += itertools.chain(*(grid.values() for grid in grids))
         n_in = sum(map(len, lists))
         lists += [seq, pos, loop, [slot_of[b] for b in seq]]
         lists += map(list, zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]))
         flat = torch.tensor(list(itertools.chain(*lists))).to(device)
         parts = iter(flat.split(list(map(len, lists))))
-        take = lambda *names: {name: next(parts) for name in names}  # noqa: E731
-        model_in = take("kv", "kv_pos", "unorder")
+        take = lambda *names: {k: next(parts) for k in names}  # noqa: E731
+        model_in = take("kv", "kv_pos", "unorder") | {"flat": flat[:n_in]}
         for i, (Bc, Tq, Tk) in enumerate(shapes):
             grids[i] = Grid(**take("rows", "lane", "col", "kv"), pos=next(parts).view(Bc, Tq), Tk=Tk)
         rest = take("seq", "pos", "loop", "slot", "lane_slot", "lane_loop", "lane_last")
         in_order = len(grids) == 1 and order == list(range(n_pad))
-        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n,
-                   flat=flat[:n_in])  # fmt: skip
+        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n)
 
     def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
         if (i.start, i.stop) not in self.alone:
@@ -265,7 +257,7 @@ class Rows:
         return self.alone[i.start, i.stop]
 
 
-# --- Model (HF Ouro's names: the state_dict keys are a checkpoint's) ---
+# --- Model (HF Ouro's names: state_dict keys are a checkpoint's) ---
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -274,7 +266,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):  # x (n, C): x / rms(x) in acc_dtype
         xf = F.rms_norm(x.to(acc_dtype(x.dtype)), x.shape[-1:], eps=self.eps)
-        return self.weight * xf.type_as(x)  # NOTE: in the input dtype, as in Ouro
+        return self.weight * xf.type_as(x)  # NOTE: input dtype, as Ouro
 
 
 class MLP(nn.Module):
@@ -290,12 +282,12 @@ class MLP(nn.Module):
 
 
 def recomputed(fn: Callable, redo: bool, *args):
-    """fn(*args); `redo` (checkpointing): backward reruns fn, not keeping its work."""
+    """fn(*args); `redo`: backward reruns fn (checkpointing)."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if redo else fn(*args)
 
 
 class Attention(nn.Module):
-    """Causal GQA attention of a call's rows; their K/V, read and written."""
+    """Causal GQA attention of a call's rows, K/V read and written."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -306,29 +298,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (R * S + 1, KVH, T, D)."""
+        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (lines, KVH, T, D)."""
         n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
-        # K (after RoPE) and V written before attending: rows see each other
+        # K (roped), V written first: rows see each other
         k_cache[rows.kv, :, rows.kv_pos] = k
         v_cache[rows.kv, :, rows.kv_pos] = self.v_proj(x).view(n, KVH, D)
         out = []
         for g in rows.grids:
-            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): each lane's cache line
+            K = k_cache[g.kv, :, : g.Tk]  # (Bc, KVH, Tk, D): lanes' lines
             V = v_cache[g.kv, :, : g.Tk]
             qg = q if rows.in_order else q[g.rows]  # (m, H, D)
             out.append(recomputed(self.attend, redo, qg, K, V, g))
         return out[0] if rows.in_order else torch.cat(out)[rows.unorder]  # (n, C)
 
     def attend(self, q, K, V, g: Grid):  # q (m, H, D) -> (m, C)
-        """NOTE: not `F.scaled_dot_product_attention`, whose backend (so bits) depends on device,
-        shape and mask: one arithmetic everywhere (its math backend's; `.ci/gpu_check.py`)."""
+        """NOTE: not `F.scaled_dot_product_attention`: its backend (bits) depends on device,
+        shape and mask; one arithmetic everywhere (its math backend's)."""
         (m, H, D), dtype = q.shape, q.dtype
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
         KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
-        if Tq == 1:  # one row a lane: the rows are the grid
+        if Tq == 1:  # a row a lane: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
             qp = q.new_zeros(Bc, Tq, H, D)
@@ -338,12 +330,12 @@ class Attention(nn.Module):
         att = att.masked_fill(masked[:, :, None], float("-inf"))
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
         y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
-        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding dropped
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding out
         return self.o_proj(y.reshape(m, H * D))
 
 
 class DecoderLayer(nn.Module):
-    """Ouro's sandwich norms: each sublayer's output is normalised again."""
+    """Ouro's sandwich norms: a sublayer's output is normalised again."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -365,8 +357,7 @@ class DecoderLayer(nn.Module):
 
 
 class LoopedLM(nn.Module):
-    """Ouro's looped decoder (Contract §2): loop r is the L layers, then the final norm
-    (inside the loop): h_r; it reads out lm_head(h_r) and early_exit_gate(h_r)."""
+    """Ouro's looped decoder (§2): h_r = loop r (L layers, final norm); heads read h_r."""
 
     def __init__(self, cfg: Config, *, seed: int = 0):
         super().__init__()
@@ -377,32 +368,32 @@ class LoopedLM(nn.Module):
         body.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         body.early_exit_gate = nn.Linear(cfg.hidden_size, 1, bias=True)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms start at 1
-        for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: a checkpoint's
+        gen = torch.Generator().manual_seed(seed)  # not the global RNG; norms: 1
+        for name, param in [] if self.lm_head.weight.is_meta else self.named_parameters():  # meta: to load
             with torch.no_grad():
                 if param.dim() > 1:
                     param.copy_(torch.randn(param.shape, generator=gen) * cfg.initializer_range)
                 elif name.endswith("bias"):
                     param.zero_()
         self._rope: dict = {}
-        self.grad_checkpoint = False  # recompute teacher forcing in backward
-        self.call_graphs = None  # CUDA graphs (`CallGraphs`, tooling)
+        self.grad_checkpoint = False  # teacher forcing recomputed in backward
+        self.call_graphs = None  # `CallGraphs` (tooling)
 
     dtype = property(lambda self: self.lm_head.weight.dtype)
     device = property(lambda self: self.lm_head.weight.device)
 
     def rope(self) -> tuple[Tensor, Tensor]:
         """cos, sin (T, D), NeoX split-half: float64, rounded once."""
-        key, D = (self.dtype, self.device), self.config.head_dim
+        key, D, cfg = (self.dtype, self.device), self.config.head_dim, self.config
         if key not in self._rope:  # once per dtype and device
-            inv_freq = 1.0 / self.config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
-            angles = torch.arange(self.config.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
+            inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
+            angles = torch.arange(cfg.max_position_embeddings)[:, None] * inv_freq  # (T, D/2)
             angles = torch.cat([angles, angles], dim=-1)  # (T, D)
-            self._rope = {key: tuple(a.to(dtype=self.dtype, device=self.device) for a in (angles.cos(), angles.sin()))}
+            self._rope = {key: tuple(a.to(self.device, self.dtype) for a in (angles.cos(), angles.sin()))}
         return self._rope[key]
 
     def loop(self, x, rows: Rows, k: list[Tensor], v: list[Tensor], numerics: str = "fast"):
-        """x (n, C) -> h (n, C): the L layers and the norm, each row at its loop."""
+        """x (n, C) -> h (n, C): the L layers, the norm; a row at its loop."""
         cos, sin = self.rope()
         cos, sin = cos[rows.kv_pos, None], sin[rows.kv_pos, None]  # (n, 1, D) each
         redo = self.grad_checkpoint and numerics != "invariant" and torch.is_grad_enabled()
@@ -412,19 +403,19 @@ class LoopedLM(nn.Module):
         return by_rows(numerics, self.model.norm, x)
 
     def gate_logits(self, h: Tensor, numerics: str = "fast") -> Tensor:
-        """h (n, C) -> exit-gate logits (n,) in the model dtype."""
+        """h (n, C) -> gate logits (n,), model dtype."""
         return by_rows(numerics, self.model.early_exit_gate, h)[:, 0]
 
     def readout(self, h: Tensor, numerics: str = "fast") -> Tensor:
-        """h (n, C) -> logits (n, V) in the model dtype."""
+        """h (n, C) -> logits (n, V), model dtype."""
         return by_rows(numerics, self.lm_head, h)
 
 
-# --- The KV cache, and executing a call (the caller owns positions) ---
+# --- The KV cache; executing a call (the caller owns positions) ---
 @dataclass
 class LoopCache:
-    """S slots of T positions. k, v: [layer] (R * S + 1, KVH, T, D) by cache line; h (S, T, C):
-    the latest loop output; depth (S, T): loops done. NOTE: K/V of loop r exist iff depth >= r."""
+    """S slots of T positions. k, v: [layer] (R * S + 1, KVH, T, D) by line; h (S, T, C): last
+    loop's output; depth (S, T): loops done. NOTE: K/V of loop r exist iff depth >= r."""
 
     k: list[Tensor]
     v: list[Tensor]
@@ -433,20 +424,20 @@ class LoopCache:
     S: int
     R: int
     slot_of: dict[int, int] = field(default_factory=dict)  # sequence -> its slot
-    holder: dict[int, int] = field(default_factory=dict)  # slot -> its latest sequence
+    holder: dict[int, int] = field(default_factory=dict)  # slot -> its last sequence
 
     @classmethod
-    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> "LoopCache":
+    def empty(cls, model: LoopedLM, S: int, T: int, numerics: str = "fast") -> LoopCache:
         cfg, dt, dev, T = model.config, model.dtype, model.device, bucket(T) if numerics == "static" else T
         shape = (cfg.total_ut_steps * S + 1, cfg.num_key_value_heads, T, cfg.head_dim)
         new = lambda: [torch.zeros(shape, dtype=dt, device=dev) for _ in model.model.layers]  # noqa: E731
-        graphs = model.call_graphs if numerics == "static" else None  # a graph holds its cache
+        graphs = model.call_graphs if numerics == "static" else None  # a graph's own
         k, v = graphs.kv_buffers(shape) if graphs else (new(), new())
         h = torch.zeros(S, T, cfg.hidden_size, dtype=dt, device=dev)
         return cls(k, v, h, torch.zeros(S, T, dtype=torch.long, device=dev), S, cfg.total_ut_steps)
 
     def seat(self, pairs: list[tuple[int, int]]) -> None:
-        """Sequence b takes slot s, once, at depth 0 (stale K/V past a row's position weigh 0)."""
+        """Sequence b takes slot s once, at depth 0 (stale K/V past a row weigh 0)."""
         for b, s in pairs:
             if b in self.slot_of or not 0 <= s < self.S:
                 raise ScheduleError(f"sequence {b} enters twice, or slot {s} is not one of {self.S}")
@@ -454,7 +445,7 @@ class LoopCache:
         self.depth[[s for _, s in pairs]] = 0
 
     def copy_sequences(self, pairs: list[tuple[int, int]]) -> None:
-        """dst's K/V and depths become src's. NOTE: not h: read at depth r - 1 < R, and these are at R."""
+        """dst's K/V, depths become src's. NOTE: not h: read at depth < R; these are at R."""
         dst, src = ([self.slot_of[b] for b in seqs] for seqs in zip(*pairs))
         for t in self.k + self.v:
             lines = t[:-1].unflatten(0, (-1, self.S))  # (R, S, KVH, T, D)
@@ -463,25 +454,25 @@ class LoopCache:
 
 
 def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, numerics: str):
-    """The ONE function rollouts, replays and teacher forcing compute with: -> h (n, C), Rows.
-    NOTE: the same call on the same values where it reads (K/V gathered to the call's key
-    length, not the cache's) => the same bits: the replay rests on this."""
+    """The ONE function rollouts, replays, teacher forcing run -> h (n, C), Rows. NOTE: the same
+    call on the same values where it reads (K/V cut to its key length) => the same bits."""
     cache.seat(call.enter)
-    seqs, loops = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share)), {r for _, _, r in call.rows}
+    seqs = [b for b, _, _ in call.rows] + list(itertools.chain(*call.share))
+    loops = {r for _, _, r in call.rows}
     if any(cache.holder.get(cache.slot_of.get(b)) != b for b in seqs) or max(loops, default=1) > cache.R:
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V they attend to exists.
+    # Deferral's invariant: rows at depth r - 1; every K/V they read exists.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
-    if 1 in loops:  # loop 1 starts from the embedding
+    if 1 in loops:  # loop 1 reads the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
     cache.depth[slot, pos] = r
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
     missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
     if late + missing:  # one read back per call
-        raise ScheduleError(f"call at loops {sorted(loops)}: a row not done with loop r - 1, or a K/V never computed")
+        raise ScheduleError(f"call at loops {sorted(loops)}: a row not at loop r - 1, or a K/V never computed")
     x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
     h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
     cache.h[slot, pos] = h
@@ -491,15 +482,15 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 
 class ExactKV:
-    """The method's KV policy (Contract §4): every K/V attended to is exact. Hooks: other engines'."""
+    """The method's KV policy (§4): every K/V read is exact. Hooks: other engines'."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
     def after_readout(self, cache: LoopCache, call: Call, prompt_end: Tensor) -> None:
-        """After a call's readout (a KV-copy policy copies K/V; the exact: nothing)."""
+        """After a call's readout (KV-copy policies copy K/V; exact: nothing)."""
 
     def teacher_forced_runs(self, p: int, prompt_end: int, e: int, r: int) -> bool:
-        return True  # teacher forcing runs loop r of position p (exit e)
+        return True  # does teacher forcing run loop r of position p (exit e)?
 
 
 KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
@@ -507,9 +498,9 @@ KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 # --- Exit rule ---
 def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """Contract §3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
+    """§3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
     stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
-    remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not yet exited
+    remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not exited
     cdf = [stay[..., :0]]
     for j in range(stay.shape[-1]):
         remaining = remaining * stay[..., j : j + 1]
@@ -519,15 +510,15 @@ def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
     return cdf
 
 
-# The exit rule's CDF by name; "hf" (modeling_ouro.py's arithmetic, to check engines) is registered below the banner.
+# CDFs by name; "hf" (modeling_ouro.py's, for engines) is added below.
 EXIT_CDFS: dict[str, Callable[[Tensor, int], Tensor]] = {"survival": _survival_cdf}
 
 
 def exit_loops(
     gate_logits: Tensor, R: int, tau: float | None, min_loops: int = 1, rule: str = "survival", done=None
 ) -> Tensor:
-    """The exit rule (Contract §3): gates (n, j) -> exits (n,): the first r >= min_loops with
-    CDF_r >= tau (R if tau None; 0: undecided). done (n,): the loops run (default j)."""
+    """The exit rule (§3): gates (n, j) -> exits (n,): the first r >= min_loops with
+    CDF_r >= tau (R if tau None; 0: undecided). done (n,): loops run (default j)."""
     (n, j), dev = gate_logits.shape, gate_logits.device
     done = torch.full((n,), j, device=dev) if done is None else done  # (n,)
     if tau is None or j == 0:
@@ -541,22 +532,21 @@ def exit_loops(
 
 
 def uniforms(gens: list[torch.Generator | None], device) -> Tensor:
-    """Each generator's next draw on the host, float64 in [0, 1) (None: 0): (n,)."""
-    draws = [0.0 if gen is None else torch.rand((), generator=gen, dtype=torch.float64) for gen in gens]
+    """Each generator's next host draw: (n,) float64 in [0, 1) (None: 0)."""
+    draws = [torch.rand((), generator=gen, dtype=torch.float64) if gen else 0.0 for gen in gens]
     return torch.tensor(draws, dtype=torch.float64).to(device)
 
 
 def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Tensor:
-    """Sampled exits after loop r (n,): r or 0. g (n,): loop r's gates; u (n,) float64.
-    Before min_loops: stay; at R: exit; else exit iff u < lam."""
+    """Exits (n,) drawn after loop r: r or 0. Before min_loops stay, at R exit, else if u < lam."""
     lam = sigmoid_elementwise(g.detach().to(acc_dtype(g.dtype)))  # (n,)
     e = torch.where((r >= min_loops) & (u < lam.double()), r, 0)
     return torch.where(r == R, R, e)
 
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
-    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: log p 0) -> (...).
-    NOTE: computed here only, for rollout, replay and teacher forcing alike."""
+    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...).
+    NOTE: computed here only, for rollout, replay, teacher forcing alike."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -568,26 +558,25 @@ def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tens
 
 
 # --- The policy: log-probabilities, the readout, sampling ---
-# "threshold": the rule above. "sampled": the exit is drawn, an action (log p(e) joins the step's log-prob).
+# "threshold": the rule above; "sampled": a drawn exit, an action (log p joins the step's).
 MODES, EXIT_POLICIES = ("dense", "deferred"), ("threshold", "sampled")
 
 
 @dataclass(frozen=True)
 class Policy:
-    """What a rollout samples and how, checked once. `mode` and `numerics` change the
-    work and bits, never the distribution (Contract §4)."""
+    """What a rollout samples and how, checked once. mode, numerics: bits, not the distribution."""
 
     mode: str = "deferred"  # MODES; "dense": a token runs R loops
     numerics: str = "fast"  # "static": padded; "invariant": rows alone
     temperature: float = 1.0  # 0: greedy
-    exit_threshold: float | None = None  # tau; None: the config's (whose None: exit at R)
+    exit_threshold: float | None = None  # tau; None: the config's
     exit_rule: str = "survival"  # EXIT_CDFS
     exit_policy: str = "threshold"  # EXIT_POLICIES
     min_loops: int = 1  # no exit before this loop
     kv: str = "exact"  # KV_POLICIES
-    top_k: int = 0  # only the k most likely tokens (0: all)
+    top_k: int = 0  # the k likeliest tokens only (0: all)
     top_p: float = 1.0  # ... the fewest reaching probability top_p
-    stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none stops, nor EOS
+    stop_ids: tuple[int, ...] = ()  # sampling one stops; (): none, nor EOS
 
     def __post_init__(self):
         choices = dict(mode=MODES, numerics=NUMERICS, exit_rule=EXIT_CDFS, exit_policy=EXIT_POLICIES, kv=KV_POLICIES)
@@ -607,9 +596,8 @@ class Policy:
 
 
 def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> Tensor:
-    """The distribution sampled: logits (n, V) -> log-probs (n, V) acc_dtype: logits /
-    temperature, then vLLM's top-k, top-p (Contract §3)."""
-    t = policy.temperature if policy.temperature > 0 else 1.0
+    """logits (n, V) -> log-probs (n, V) acc_dtype: / temperature, vLLM's top-k, top-p (§3)."""
+    t = policy.temperature or 1.0
 
     def kept(z: Tensor) -> Tensor:
         x = z.to(acc_dtype(z.dtype)) / t  # (n, V)
@@ -619,7 +607,7 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
         V = s.shape[1]
         k = min(policy.top_k, V) if policy.top_k else V
         cut = s[:, V - k : V - k + 1]  # (n, 1) the k-th largest; ties stay
-        if policy.top_p < 1:  # NOTE: ascending cumulative sums, vLLM's arithmetic
+        if policy.top_p < 1:  # NOTE: ascending cumsum, vLLM's arithmetic
             probs = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1)  # (n, V)
             low = probs.cumsum(dim=-1) <= 1 - policy.top_p  # (n, V) to drop
             dropped = low.sum(1, keepdim=True).clamp(max=V - 1)  # (n, 1)
@@ -631,32 +619,31 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
 
 
 def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: str) -> Tensor:
-    """h (n, C) -> log-probs (n_out, V) of the call's `readout` rows. NOTE: the rollout samples
-    from these, the replay scores with them, after the same `execute_call`: the same bits."""
+    """h (n, C) -> log-probs (n_out, V) of `readout` rows. NOTE: the rollout samples from
+    these, the replay scores with them, after the same `execute_call`: same bits."""
     index = {row: i for i, row in enumerate(call.rows)}
     rows = [index[row] for row in call.readout]
     return policy_logprobs(model.readout(h[rows], numerics), policy, numerics)  # (n_out, V)
 
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
-    """Rows (seq, pos, loop) (n,) -> which decide an exit (n,) bool: a completion's rows while
-    its token has no exit (exits (B, N): 0), or up to its exit. The ONE rule."""
+    """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
 
 
 def sequence_seed(seed: int, index: int) -> int:
-    """A 63-bit seed of (run seed, global sequence index): batch-independent."""
+    """A 63-bit seed of (run seed, global sequence index), batch-independent."""
     digest = hashlib.sha256(f"scalerlt:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
 def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
-    """A token (n,) from each row of logp (n, V) by inverse CDF at u (n,) float64; greedy: argmax."""
+    """A token (n,) a row of logp (n, V): inverse CDF at u (n,) float64; greedy: argmax."""
     if temperature == 0:
         return logp.argmax(dim=1)
-    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU each row alone
+    cdf = logp.detach().double().exp().cumsum(dim=1)  # (n, V): on CPU a row alone
     total = cdf[:, -1:].contiguous()  # (n, 1)
     drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)  # (n, 1)
     last = torch.searchsorted(cdf, total).clamp(max=cdf.shape[1] - 1)  # the last kept
@@ -666,43 +653,43 @@ def sample_tokens(logp: Tensor, u: Tensor | None, temperature: float) -> Tensor:
 # --- Rollouts ---
 @dataclass
 class Schedule:
-    """A rollout's ordered calls (its shared prompt's included) and settings."""
+    """A rollout's calls in order (the shared prompt's too), settings."""
 
     calls: list[Call]
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro): an outside one's
+    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro), a file's
 
 
 @dataclass
 class Rollout:
-    """Results are data: the replay, GRPO and the oracle read these fields."""
+    """Results are data: the replay, GRPO and the oracle read them."""
 
     prompts: list[list[int]]
-    completions: list[list[int]]  # sampled ids, a sampled stop id included
-    exit_loops: list[list[int]]  # each token's exit loop (1-based)
-    logprobs: Tensor  # (B, N) acc_dtype; 0 where mask is False
+    completions: list[list[int]]  # sampled ids, stop id included
+    exit_loops: list[list[int]]  # tokens' exit loops (1-based)
+    logprobs: Tensor  # (B, N) acc_dtype; 0 off the mask
     mask: Tensor  # (B, N) bool
-    schedule: Schedule | None  # None for records read from a file
-    policy: Policy  # the sampler's (the schedule's own)
+    schedule: Schedule | None  # None: read from a file
+    policy: Policy  # the sampler's (its schedule's)
     exit_logprobs: Tensor  # (B, N) log p(exit e); threshold: 0
 
     def tokens(self, device=None) -> Tensor:
-        """(B, T) long: prompt + completion per sequence, right-padded with 0."""
+        """(B, T) long: prompt + completion, right-padded with 0."""
         seqs = [prompt + c for prompt, c in zip(self.prompts, self.completions)]
-        T = max(len(s) for s in seqs)
+        T = max(map(len, seqs))
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
     def select(self, seqs: list[int]) -> Rollout:
-        """Sequences `seqs` alone, without the schedule."""
+        """Sequences `seqs` alone, no schedule."""
         lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
         tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
         return dataclasses.replace(self, **lists, **tensors, schedule=None)
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """A group's prompt once: its first sequence runs it but its end, then shares its cache."""
+    """A group's prompt once: its first runs it but its end, then shares it."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
@@ -715,28 +702,28 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 
 class Seats:
-    """Who waits, who sits in which slot, each one's *focus* (newest position) and loops `ran`.
-    A group's leader runs the prompt but its end while the others are `held`, then shares it."""
+    """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
+    group's leader runs the prompt but its end, the others `held`, then shares it."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
         self.waiting = list(range(len(prompts)))[::-1]  # pop(): the next to enter
-        self.ends = [len(prompt) - 1 for prompt in prompts]  # each prompt's last position
-        self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> leader
+        self.ends = [len(prompt) - 1 for prompt in prompts]  # prompts' last positions
+        self.focus, self.ran, self.held = list(self.ends), [0] * len(prompts), {}  # held: b -> a
 
     def enter(self) -> list[tuple[int, int]]:
-        """Free slots take the next sequences: (b, s) pairs."""
+        """Free slots take the next sequences: (b, s)."""
         enter = [(self.waiting.pop(), s) for s in range(self.S) if s not in self.seat and self.waiting]
         self.seat |= {s: b for b, s in enter}
         leader = {}
         for b, _ in enter:
             a = leader.setdefault(tuple(self.prompts[b]), b)
             if a != b and self.ends[b] > 0:
-                self.held[b], self.focus[a] = a, self.ends[a] - 1  # the prompt but its end
+                self.held[b], self.focus[a] = a, self.ends[a] - 1  # prompt but its end
         return enter
 
     def shared(self, a: int) -> None:
-        """Leader a's prompt is shared: its group goes on, each from its prompt's end."""
+        """Leader a's prompt shared: its group goes on from their prompts' ends."""
         for b in [a] + [b for b, c in self.held.items() if c == a]:
             self.focus[b], self.ran[b] = self.ends[b], 0
             self.held.pop(b, None)
@@ -744,31 +731,31 @@ class Seats:
 
 @dataclass
 class Tape:
-    """What a rollout records, on the device (t: a completion token's index)."""
+    """What a rollout records, on the device."""
 
-    tokens: Tensor  # (B, T) long: the prompts, then each token drawn
-    prompt_end: Tensor  # (B,) each prompt's last position
+    tokens: Tensor  # (B, T) long: prompts, then tokens drawn
+    prompt_end: Tensor  # (B,) prompts' last positions
     completions: Tensor  # (B, N) token ids
     exits: Tensor  # (B, N) long exit loops; 0: none yet
     logprobs: Tensor  # (B, N) acc_dtype
-    gates: Tensor  # (B, N, R) the deciding rows' gate logits
+    gates: Tensor  # (B, N, R) deciding rows' gate logits
     stop_ids: Tensor  # (k,) long
 
 
 def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, gates, numerics: str):
-    """A call's deciding rows, their gates into gates (B, N, R): (dec, b, t, r, g) (n_dec,), or None.
-    NOTE: the rollout (exits 0) and replay (recorded e: loops 1..e) pass the same rows, bits."""
+    """Deciding rows' gates into gates (B, N, R) -> (dec, b, t, r, g) (n_dec,) or None.
+    NOTE: rollout (exits 0), replay (exit e: loops 1..e) pass the same rows: same bits."""
     dec = decides_exit(rows.loop, rows.seq, rows.pos, prompt_end, exits).nonzero()[:, 0]  # (n_dec,)
     if not dec.numel():
         return None
     b, r = rows.seq[dec], rows.loop[dec]  # (n_dec,) each
-    t = rows.pos[dec] - prompt_end[b]  # and their tokens
+    t = rows.pos[dec] - prompt_end[b]  # their tokens
     gates[b, t, r - 1] = g = model.gate_logits(h[dec], numerics)  # (n_dec,)
     return dec, b, t, r, g
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """Rollout step 3: deciding rows choose by the rule or a draw (onto the tape) -> the exiting rows."""
+    """Rollout step 3: deciders exit by rule or draw (taped) -> the exiting rows."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -784,7 +771,7 @@ def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: R
 
 
 def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Tape, gens, cache) -> list[bool]:
-    """Rollout step 4: exiting rows read out and draw the next tokens -> whether each stops."""
+    """Rollout step 4: exiting rows read out, draw next tokens -> whether each stops."""
     logp = read_out(model, call, h, policy, policy.numerics)  # (n_out, V)
     u = uniforms([gens[c] for c, _, _ in call.readout], h.device) if policy.temperature > 0 else None
     tok = sample_tokens(logp, u, policy.temperature)  # (n_out,)
@@ -794,7 +781,7 @@ def sample_next(model: LoopedLM, policy: Policy, call: Call, h: Tensor, tape: Ta
     tape.logprobs[b, t] = lp = logp.gather(1, tok[:, None])[:, 0]  # (n_out,)
     tape.tokens[b, p + 1] = tok  # the next position's input
     stop = torch.isin(tok, tape.stop_ids) | (t + 1 == tape.completions.shape[1])  # (n_out,)
-    stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # a kept token's is finite
+    stop, bad = torch.stack([stop, ~lp.isfinite()]).tolist()  # kept tokens' are finite
     if any(bad):
         raise NonFiniteError(f"the logits of {sum(bad)} sampled tokens are not finite")
     KV_POLICIES[policy.kv].after_readout(cache, call, tape.prompt_end)
@@ -806,88 +793,82 @@ def rollout(
     model: LoopedLM, prompts: list[list[int]], policy: Policy = Policy(), *, max_new_tokens: int = 32,
     seed: int = 0, sequence_ids: list[int] | None = None, max_num_seqs: int = 0,
 ) -> Rollout:  # fmt: skip
-    """Sample completions of `prompts` under `policy`; record everything.
-    At most `max_num_seqs` sequences in flight (0: all), each in a slot; a stopped one's slot
-    takes the next. Each call advances every sequence one loop (Contract §4): its focus
-    (`Seats`) runs its next loop r, and earlier positions at r - 1 ride along. An exiting
-    focus samples the next token: the new focus at once (deferred), or after its loop R
-    (dense). Drawn: README, "Dense and deferred, drawn". NOTE: complete: after the focus
-    runs loop r, every earlier position has run >= r loops (each call lifts those at r - 1;
-    none is lower), so none needs two in one call. Safe: loop r of a position reads its own
-    loop r - 1 output and earlier positions' loop-r K/V, which exist by then; each (position,
-    loop) is one function of the tokens, whichever call computes it. Same draws: Derivations."""
+    """Sample completions of `prompts` under `policy`, recorded. At most `max_num_seqs` in flight
+    (0: all), a slot each. A call advances each sequence a loop (§4): its focus runs loop r,
+    earlier positions at r - 1 ride along; an exiting focus samples the next token, the new
+    focus at once (deferred) or after loop R (dense). NOTE: complete: once the focus ran loop r,
+    all earlier positions ran >= r (each call lifts those at r - 1; none is lower). Safe: loop r
+    reads its loop r - 1 output and earlier loop-r K/V, which exist: one function of the tokens."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
-    T = max(len(prompt) for prompt in prompts) + N
+    T = max(map(len, prompts)) + N
     if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or min(N, max_num_seqs + 1) < 1:
         need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
         raise ValueError(f"need {need}, max_new_tokens >= 1, max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
     kv, dense = KV_POLICIES[policy.kv], policy.mode == "dense"
     gens = [torch.Generator().manual_seed(sequence_seed(seed, i)) for i in sequence_ids or range(B)]
-    zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
-    tape = Tape(
-        torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev),
-        torch.tensor([len(prompt) - 1 for prompt in prompts], device=dev),
-        zeros(B, N), zeros(B, N), zeros(B, N, dtype=acc_dtype(model.dtype)), zeros(B, N, R, dtype=model.dtype),
-        torch.tensor(policy.stop_ids, dtype=torch.long, device=dev))  # fmt: skip
     cache = LoopCache.empty(model, min(max_num_seqs or B, B), T, numerics)
     seats, stopped, length, calls = Seats(prompts, cache.S), set(), [0] * B, []
     focus, ran, ends = seats.focus, seats.ran, seats.ends
-    # runs_all(b): does b's focus run all R loops? (dense; last_exited's prefill)
+    zeros = functools.partial(torch.zeros, dtype=torch.long, device=dev)
+    tape = Tape(
+        torch.tensor([prompt + [0] * (T - len(prompt)) for prompt in prompts], device=dev),
+        torch.tensor(ends, device=dev),
+        zeros(B, N), zeros(B, N), zeros(B, N, dtype=acc_dtype(model.dtype)), zeros(B, N, R, dtype=model.dtype),
+        torch.tensor(policy.stop_ids, dtype=torch.long, device=dev))  # fmt: skip
+    # does b's focus run all R loops? (dense; last_exited's prefill)
     runs_all = lambda b: dense or kv.prefill_all_loops and focus[b] == ends[b]  # noqa: E731
     while seats.waiting or seats.seat:
         # 1) Free slots take the next sequences.
         enter = seats.enter()
         # 2) Each focus runs its next loop r; earlier positions at r - 1 ride along.
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
-        loop = {b: ran[b] + 1 for _, b in live}  # the loop each focus runs now
+        loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
         fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
-        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # a leader's prompt done
+        share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # leader's prompt done
         call = Call(sorted(rows), share=share, enter=enter)
         h, ran_rows = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C)
         calls.append(call)
         for b in loop:
             ran[b] += 1
-        # 3) Undecided newest positions decide: by the rule, or by a draw.
+        # 3) Undecided newest positions decide: by rule or by draw.
         call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
-        # 4) Exiting rows read out and sample; a stop id or N tokens stop the sequence.
+        # 4) Exiting rows read out and sample; a stop id or N tokens stop.
         stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
         for (b, q, _), stop in zip(call.readout, stops):
             length[b] += 1
             stopped.update([b] if stop else [])
             if not (stop or runs_all(b)):
-                focus[b], ran[b] = q + 1, 0  # deferred: the new position is the focus
-        # 5) A focus done with loop R moves on: the prompt's end, the next position, or out.
+                focus[b], ran[b] = q + 1, 0  # deferred: the new position is focus
+        # 5) A focus done with loop R moves on: the prompt's end, next position, or out.
         for s, b in live:
-            if ran[b] == R and focus[b] < ends[b]:  # the leader's prompt is shared
+            if ran[b] == R and focus[b] < ends[b]:  # a leader's prompt, shared
                 seats.shared(b)
             elif b in stopped and (ran[b] == R or not runs_all(b)):
-                del seats.seat[s]  # its slot is free for the next sequence
+                del seats.seat[s]  # free for the next sequence
             elif ran[b] == R:
                 focus[b], ran[b] = focus[b] + 1, 0
-    # 6) The exits' log-probs, from the deciding gates, as the replay's.
-    sampled = policy.exit_policy == "sampled"  # threshold: exits not drawn, log p = 0
+    # 6) Exits' log-probs from the deciding gates, as the replay's.
+    sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
     exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
     completions = [c[:n] for c, n in zip(tape.completions.tolist(), length)]
     exit_list = [e[:n] for e, n in zip(tape.exits.tolist(), length)]
-    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), [list(prompt) for prompt in prompts]
+    schedule, prompts = Schedule(calls, policy, str(model.dtype), R), list(map(list, prompts))
     return Rollout(prompts, completions, exit_list, tape.logprobs.cpu(), mask, schedule, policy, exit_lp.cpu())
 
 
 # --- Learner log-probabilities ---
 def execute_schedule(
     model: LoopedLM, ro: Rollout, calls: list[Call], numerics: str,
-    on_call: Callable[[Call, Tensor], None] | None = None,
-    on_readout: Callable[[Call, Tensor], None] | None = None,
+    on_call: Callable = lambda *a: None, on_readout: Callable = lambda *a: None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Run `calls` over the rollout's tokens: the recorded tokens' and exits' log-probs (B, N)
-    (threshold: exits' 0); 0 off the mask. on_call(call, h), on_readout(call, logp): the oracle's."""
+    """`calls` on ro's tokens -> tokens', exits' log-probs (B, N), 0 off the mask (threshold: exits 0)."""
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
@@ -895,19 +876,17 @@ def execute_schedule(
     cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
-    exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N) 0: no token
+    exits = torch.tensor([e + [0] * (N - len(e)) for e in ro.exit_loops], device=dev)  # (B, N)
     gates = torch.zeros(B, N, R, dtype=model.dtype, device=dev)  # (B, N, R)
     for call in calls:
         h, rows = execute_call(model, call, tokens, cache, numerics)  # (n, C)
-        if on_call is not None:
-            on_call(call, h)
+        on_call(call, h)
         if sampled:  # the rollout's deciding rows, order and bits
             deciding_gates(model, h, rows, prompt_end, exits, gates, numerics)
         if not call.readout:
             continue
         logp = read_out(model, call, h, policy, numerics)  # (n_out, V)
-        if on_readout is not None:
-            on_readout(call, logp)
+        on_readout(call, logp)
         b, p, _ = torch.tensor(call.readout, device=dev).T  # (n_out,) each
         out[b, p - prompt_end[b]] = logp.gather(1, tokens[b, p + 1][:, None])[:, 0]
         kv.after_readout(cache, call, prompt_end)
@@ -915,13 +894,12 @@ def execute_schedule(
 
 
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
-    """The rollout's schedule again, without gradients: (B, N) log-probs, `ro.logprobs` bit for bit
-    while the weights are unchanged; `with_exits`: (tokens', exits'). NOTE: by induction, call i
-    repeats the rollout's call i (rows, order, shapes, device) on K/V earlier calls wrote with the
-    rollout's bits; later tokens and the cache's length differ, unread: a row reads up to its position."""
+    """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit under
+    the same weights; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
+    rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
-    if ro.schedule.check is not None:  # from outside (`schedule_from_json`)
+    if ro.schedule.check is not None:  # from a file
         ro.schedule.check(ro.schedule, ro)
     with torch.no_grad():
         tok, ext = execute_schedule(model, ro, ro.schedule.calls, ro.policy.numerics)
@@ -929,9 +907,9 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """Teacher forcing's dense schedule: loop r of every position at once, read out at the recorded exits."""
+    """Teacher forcing's dense schedule: loop r of all positions a call, read at recorded exits."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # their prompt shared
+    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # prompt shared
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
@@ -946,30 +924,29 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward ("static" runs "fast"): (B, N) log-probs; `with_exits`: (tokens', exits')."""
+    """One differentiable forward ("static" runs "fast"): (B, N); `with_exits`: (tokens', exits')."""
     calls = teacher_forced_schedule(ro, model.config.total_ut_steps)
     tok, ext = execute_schedule(model, ro, calls, numerics.replace("static", "fast"))
     return (tok, ext) if with_exits else tok
 
 
 def hybrid(value: Tensor, tf: Tensor) -> Tensor:
-    """The learner's log-probs: the bits of `value` (exact: the sampler's), the gradient of `tf`.
-    NOTE: in this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x: `value`'s bits, always. The
-    form `tf + (value - tf).detach()` rounds once the two differ by a factor of 2: NOT bitwise. A token
-    teacher forcing drops (top-k/top-p) gets no gradient rather than -inf - -inf = NaN."""
+    """The learner's log-probs: the bits of `value` (the sampler's), the gradient of `tf`. NOTE: in
+    this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x; `tf + (value - tf).detach()` is
+    not bitwise. A token top-k/top-p drops gets no gradient, not NaN."""
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
 def joint_logprobs(ro: Rollout, tok: Tensor, ext: Tensor) -> Tensor:
-    """Each step's log-prob (B, N): log pi(token | loop e), + log p(exit = e) if exits are sampled."""
+    """Each step's log-prob (B, N): log pi(token | loop e) + log p(exit = e) if sampled."""
     return tok + ext if ro.policy.exit_policy == "sampled" else tok
 
 
 def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(hybrid(value, tf), tf) (B, N), joint. value: the exact (token, exit) log-probs if known
-    (iteration 1: the sampler's records), else the replay's."""
+    """(hybrid(value, tf), tf) (B, N), joint. value: exact (token, exit) log-probs (iteration 1:
+    the records); None: the replay's."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
@@ -982,7 +959,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4) -> Tensor:
-    """rewards (B,), groups of G in a row -> (B,): r - mean(group), over the group's or batch's std + eps."""
+    """rewards (B,) in groups of G -> (B,): r - group mean, / (group's or batch's std + eps)."""
     rw = rewards.float().view(-1, group_size)  # (P, G)
     adv = rw - rw.mean(dim=1, keepdim=True)  # (P, G)
     if scale_rewards == "group":
@@ -1000,19 +977,19 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
-    beta: float = 0.0  # k3 KL to a frozen reference; 0 = off
+    beta: float = 0.0  # k3 KL to a frozen reference; 0: off
     scale_rewards: str = "group"
     loss_agg: str = "token_mean"
-    mu: int = 1  # inner iterations per batch of rollouts
+    mu: int = 1  # iterations per rollout batch
     adv_eps: float = 1e-4
-    check_replay: bool = True  # replay iteration 1 too; refuse a differing bit
-    drop_tied: bool = False  # leave out groups whose rewards all tie (§6)
-    micro_batch: int = 0  # sequences a backward (0: all), gradients summed
-    grad_checkpoint: bool = False  # teacher forcing recomputed in backward
+    check_replay: bool = True  # replay iteration 1 too; refuse a bit differing
+    drop_tied: bool = False  # drop groups whose rewards all tie (§6)
+    micro_batch: int = 0  # sequences a backward (0: all); gradients add
+    grad_checkpoint: bool = False  # teacher forcing redone in backward
 
 
 def loss_count(mask: Tensor, loss_agg: str, all_reduce: Callable | None = None):
-    """The loss's denominator >= 1: tokens, sequences or rows x N of `mask` (all processes')."""
+    """The loss's denominator >= 1: tokens, rows or rows x N of `mask` (all processes')."""
     count = {"token_mean": mask.float().sum(), "seq_mean_token_mean": mask.shape[0], "dr_grpo": mask.numel()}[loss_agg]
     if all_reduce is not None:
         count = float(all_reduce(torch.as_tensor(count, dtype=torch.float32, device=mask.device)))
@@ -1023,16 +1000,15 @@ def grpo_loss(
     logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, grpo: GRPOConfig = GRPOConfig(),
     *, ref_logp: Tensor | None = None, all_reduce: Callable | None = None, count=None,
 ) -> tuple[Tensor, dict]:  # fmt: skip
-    """The clipped GRPO surrogate: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats).
-    Per token min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), less beta k3 KL to
-    `ref_logp`; summed over `count`. logp_old is the sampler's record: iteration 1's ratios are 1."""
+    """Clipped GRPO: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats). Per token
+    min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta k3 KL to `ref_logp`, / `count`."""
     maskf = mask.float()  # (B, N)
     ratio = torch.exp(logp - logp_old)  # (B, N)
     a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1)
     term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
     if grpo.beta > 0:
-        log_ratio = ref_logp - logp  # k3 estimator of KL(pi || ref): exp(x) - x - 1 >= 0
+        log_ratio = ref_logp - logp  # k3 estimate of KL(pi || ref): exp(x) - x - 1 >= 0
         kl = torch.exp(log_ratio) - log_ratio - 1  # (B, N)
         term = term - grpo.beta * kl
         stats["kl"] = float((kl.detach() * maskf).sum() / maskf.sum().clamp_min(1))
@@ -1048,32 +1024,29 @@ def grpo_loss(
     return loss, stats
 
 
-class ReplayMismatchError(RuntimeError):
-    """The replay is not the sampler's log-probs bit for bit (the step refuses)."""
+class ReplayMismatchError(RuntimeError): ...  # the replay is not the sampler, bitwise
 
 
 def _finite_or_stop(ok, what: str, model: nn.Module) -> None:
-    """NonFiniteError naming what, and the parameters, stopped being finite."""
+    """NonFiniteError naming what, and which parameters, are not finite."""
     if not bool(ok):
-        bad = [name for name, param in model.named_parameters() if not param.isfinite().all()][:5]
+        bad = [name for name, p in model.named_parameters() if not p.isfinite().all()][:5]
         raise NonFiniteError(f"not finite: {what} (non-finite parameters: {bad})")
 
 
 def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask) -> dict:
-    """The replay against the sampler, bit for bit: tokens' and exits' log-probs."""
+    """The replay against the sampler, bit for bit: tokens', exits' log-probs."""
     tok, ext = replay_logprobs(model, ro, with_exits=True)  # (B, N), on the host
     mask, sampled = mask.cpu(), ro.policy.exit_policy == "sampled"
     pairs = ((tok, ro.logprobs), (ext, ro.exit_logprobs))
-    mismatched, mismatched_exits = (int(((a != b) & mask).sum()) for a, b in pairs)
-    metrics = {"exact/mismatched_tokens": mismatched}
-    metrics |= {"exact/mismatched_exit_logprobs": mismatched_exits} if sampled else {}
+    bad_tok, bad_exit = (int(((a != b) & mask).sum()) for a, b in pairs)
+    metrics = {"exact/mismatched_tokens": bad_tok}
+    metrics |= {"exact/mismatched_exit_logprobs": bad_exit} if sampled else {}
     replay = joint_logprobs(ro, tok, ext)  # (B, N)
     metrics["sampling/sampling_logp_difference/max"] = float(((replay - logp_old.cpu()).abs() * mask).max())
-    if mismatched or mismatched_exits:
-        raise ReplayMismatchError(
-            f"{mismatched} tokens, {mismatched_exits} exits: the replay's log-probs differ from the "
-            "sampler's; the learner would be off-policy (is the device nondeterministic?)"
-        )
+    if bad_tok or bad_exit:
+        why = "log-probs differ from the sampler's; the learner would be off-policy (is the device nondeterministic?)"
+        raise ReplayMismatchError(f"{bad_tok} tokens, {bad_exit} exits: the replay's {why}")
     return metrics
 
 
@@ -1086,11 +1059,11 @@ def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, lo
 
 
 def _pooled(stats: list[dict], tokens: list[float], total: float) -> dict:
-    """Micro-batches' `grpo_loss` stats: token-weighted means over `total`, extremes of extremes."""
+    """Micro-batches' stats: token-weighted means over `total`; extremes of extremes."""
     if tokens == [total]:  # the whole step
         return stats[0]
-    mean = lambda key: sum(s[key] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
-    pooled = {key: mean(key) for key in ("kl", "clip_ratio") if key in stats[0]}
+    mean = lambda k: sum(s[k] * n for s, n in zip(stats, tokens)) / max(total, 1)  # noqa: E731
+    pooled = {k: mean(k) for k in ("kl", "clip_ratio") if k in stats[0]}
     return pooled | {"ratio_max": max(s["ratio_max"] for s in stats), "ratio_min": min(s["ratio_min"] for s in stats)}
 
 
@@ -1176,9 +1149,8 @@ def grpo_update(
 
 
 def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i =
-    lam_i * remaining; remaining *= 1 - lam_i; p_R = remaining; cumsum(p).
-    Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
+    """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i = lam_i * remaining; remaining *= 1 - lam_i;
+    p_R = remaining; cumsum(p). Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
     lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
     wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
@@ -1203,14 +1175,11 @@ class CudaGraphError(RuntimeError):
 
 
 class CallGraphs:
-    """`LoopedLM.loop` of static calls, each call shape a CUDA graph (all L layers), captured on the model's device
-    at its first call and replayed after with the call's rows copied into its buffers: the eager call's bits. The
-    audit cannot see a wrong graph (the replay runs it too), so each graph's first replay must equal its eager
-    warm-up bit for bit (`CudaGraphError` if not, or if the capture recorded nothing). A graph holds its cache's
-    address, so the static caches are kept here: one storage a layer, grown to the largest asked (dropping every
-    graph), each cache shape a view, zeroed for each rollout (masked keys get weight 0, but 0 x NaN is NaN); at most
-    `max_graphs` graphs, the least recently used dropped. Calls with gradients, other numerics or over `max_rows`
-    rows run eagerly. `capture=False` (the CPU's tests): the same static buffers, eager. Off: `--no-cuda-graphs`."""
+    """`LoopedLM.loop` of static calls, a CUDA graph a call shape, captured at its first call, then replayed on the
+    call's rows copied in. Its one claim, graph == eager static call bit for bit, is checked at capture (the audit
+    cannot see it: the replay runs the graph too). A graph holds its cache's address, so the caches live here, one
+    storage a layer, zeroed each rollout (0 x NaN is NaN); at most `max_graphs`, LRU. Grad, other numerics, over
+    `max_rows` rows: eager. `capture=False` (CPU tests): the same buffers, eager. Off: `--no-cuda-graphs`."""
 
     def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
         self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
@@ -1341,10 +1310,8 @@ def _load_json_limited(text: str, path: str | os.PathLike, lineno: int | None = 
         if depth > JSON_MAX_DEPTH:
             raise ValueError(f"{where}:{line_of(m.start())} JSON nested deeper than {JSON_MAX_DEPTH} levels")
     if m := re.search(rf"\d{{{JSON_MAX_NUMBER_DIGITS + 1},}}", bare):
-        raise ValueError(
-            f"{where}:{line_of(m.start())} a number with {len(m.group())} digits "
-            f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
-        )
+        most = f"(at most {JSON_MAX_NUMBER_DIGITS} are accepted)"
+        raise ValueError(f"{where}:{line_of(m.start())} a number with {len(m.group())} digits {most}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -1410,9 +1377,8 @@ def check_config(kw: dict) -> None:
         raise ValueError(f"config key 'total_ut_steps' (loops) must be >= 1, got {c['total_ut_steps']}")
     C, H, G = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     if c["head_dim"] == 0 and C % H:
-        raise ValueError(
-            f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C}) when 'head_dim' is not given"
-        )
+        why = f"config key 'num_attention_heads' ({H}) must divide 'hidden_size' ({C})"
+        raise ValueError(f"{why} when 'head_dim' is not given")
     D = c["head_dim"] or C // H
     if D < 2 or D % 2:
         raise ValueError(f"config key 'head_dim' must be even and >= 2 (RoPE rotates pairs), got {D}")
@@ -1437,11 +1403,9 @@ def _build_config(kw: dict, source: str) -> Config:
         need = _config_bytes(cfg)  # refused before anything is allocated
         if sum(need.values()) > MAX_MODEL_BYTES:
             parts = ", ".join(f"{k} {v:,}" for k, v in need.items())
-            raise ValueError(
-                f"this config would need {sum(need.values()):,} bytes ({parts}; KV cache for one "
-                f"{min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence), more than "
-                f"the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
-            )
+            kv = f"KV cache for one {min(cfg.max_position_embeddings, KV_BUDGET_POSITIONS)}-position sequence"
+            limit = f"more than the limit of {MAX_MODEL_BYTES:,} (MAX_MODEL_BYTES)"
+            raise ValueError(f"this config would need {sum(need.values()):,} bytes ({parts}; {kv}), {limit}")
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
     return cfg
@@ -1683,10 +1647,8 @@ def load_checkpoint(
     if non_finite:
         raise ValueError(f"{path}: checkpoint tensors hold NaN or infinite values: {sorted(non_finite)}")
     if bad_names:
-        raise ValueError(
-            f"{path}: checkpoint does not match its config.json:\n  missing tensors: {missing}\n"
-            f"  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
-        )
+        bad = f"missing tensors: {missing}\n  unexpected tensors: {unexpected}\n  misshapen tensors: {misshapen}"
+        raise ValueError(f"{path}: checkpoint does not match its config.json:\n  {bad}")
     return model
 
 
@@ -1947,9 +1909,8 @@ class LoopOutputs:
 def loop_outputs(model: LoopedLM, idx: Tensor, numerics: str = "fast") -> LoopOutputs:
     """The plain forward pass, teacher-forced (the warm start's and the tests'): idx (B, T) long -> `LoopOutputs`."""
     cfg, (B, T) = model.config, idx.shape
-    rows = Rows.of(
-        [(b, p, 1) for b, p in itertools.product(range(B), range(T))], dict(enumerate(range(B))), B, idx.device
-    )
+    all_rows = [(b, p, 1) for b, p in itertools.product(range(B), range(T))]
+    rows = Rows.of(all_rows, dict(enumerate(range(B))), B, idx.device)
     h = model.model.embed_tokens(idx.reshape(-1))  # (B*T, C), the input of loop 1
     logits, gates = [], []
     for _ in range(cfg.total_ut_steps):
@@ -1976,11 +1937,10 @@ def ouro_loss(out: LoopOutputs, targets: Tensor, mask: Tensor, beta: float = 0.0
 def sft_warm_start(
     model: LoopedLM, tok, problems: list[dict], steps: int, *, beta=0.05, seed=0, log=print, dev=None, band=(1, 1)
 ) -> float:
-    """Supervised steps on gold answers (Ouro objective with entropy bonus `beta`, completion tokens; batches of 32,
-    AdamW at 1.5e-3), so GRPO starts at a pass rate in (0, 1).
-    `dev(model, tok, step)` (the demo: greedy accuracy on its dev problems), checked every 20 steps and at the last,
-    ends it at the first check that reaches band = (lo, hi). A check above hi after one below lo took too many steps at
-    once: the steps between them run again, checked every 5 (weights, AdamW and data draws restored: the same bits)."""
+    """Supervised steps on gold answers (Ouro objective, entropy bonus `beta`, completion tokens; batches of 32, AdamW
+    at 1.5e-3), so GRPO starts at a pass rate in (0, 1). `dev(model, tok, step)` (the demo: dev greedy accuracy),
+    checked every 20 steps and at the last, ends it at the first check reaching band = (lo, hi); one above hi after one
+    below lo: those steps run again, checked every 5 (weights, AdamW, data draws restored: the same bits)."""
     opt, gen = torch.optim.AdamW(model.parameters(), lr=1.5e-3, weight_decay=0.0), torch.Generator().manual_seed(seed)
     loss, step, every, why, back = torch.tensor(float("nan")), 0, 20, "", None
     while step < steps and not why:
@@ -2136,9 +2096,8 @@ def check_flags(flags) -> None:
     if (n := getattr(flags, "prompts_per_step", 1) * getattr(flags, "group_size", 1)) > MAX_COUNT:  # between flags
         raise ValueError(f"--prompts-per-step x --group-size = {n:,} sequences per step; at most {MAX_COUNT:,}")
     if getattr(flags, "exit_policy", None) == "sampled" and flags.exit_rule != "survival":
-        raise ValueError(
-            "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic), got 'sampled'"
-        )
+        why = "--exit-policy must be threshold with --exit-rule hf (hf is a threshold rule's arithmetic)"
+        raise ValueError(f"{why}, got 'sampled'")
     if getattr(flags, "thinking", False) and flags.prompt_format != "chat":
         raise ValueError("--thinking needs --prompt-format chat (it is the chat template's enable_thinking)")
     if getattr(flags, "resume", False) and not flags.out:
@@ -2626,10 +2585,8 @@ def _load_problems(cfg: TrainConfig, tok, model_cfg: Config, say: Callable[[str]
     pairs = (encode_problem(tok, p) for p in problems)  # the rollout's prompt, the warm start's gold sequence
     fit = [p for p, (prompt, gold) in zip(problems, pairs) if len(prompt) + max(n, len(gold) - 1) <= limit]
     if len(fit) < len(problems):  # NOTE: a subset keeps its seeded draw; long GSM8K problems are rare, not an error
-        say(
-            f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} "
-            f"(or + the gold answer, for the warm start) exceeds max_position_embeddings={limit}"
-        )
+        why = f"(or + the gold answer, for the warm start) exceeds max_position_embeddings={limit}"
+        say(f"skipped {len(problems) - len(fit)} of {len(problems)} problems whose prompt + --max-new-tokens {n} {why}")
     if not fit:
         raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: no problem fits max_position_embeddings")
     return fit
@@ -3128,25 +3085,22 @@ def _check_reference_finite(model: LoopedLM, rec: dict, kv: str, lp: Tensor, gat
         with torch.no_grad():
             at_one = execute_schedule(model, ro, teacher_forced_schedule(ro, model.config.total_ut_steps), "fast")[0][0]
         if bool(torch.isfinite(at_one).all()):
-            raise ValueError(
-                f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow "
-                f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
-            )
+            why = f"(reference log-prob {float(lp[k])}; finite at temperature 1)"
+            raise ValueError(f"token {k}: 'temperature' {rec['temperature']!r} makes the scaled logits overflow {why}")
     raise NonFiniteError(f"token {k}: the reference log-prob is {float(lp[k])}: the model's logits are not finite")
 
 
 def sampler_seed(seed: int, index: int) -> int:
-    """The seed of the sampler test's uniforms for sequence `index`. NOTE: a stream apart from the rollout's
-    (`sequence_seed`): a sampler's uniform lies inside its token's interval, so reusing it would tie the PIT's
-    uniform to the token, and the values would not be uniform even for a perfect engine."""
+    """The seed of the sampler test's uniforms for sequence `index`. NOTE: apart from the rollout's (`sequence_seed`):
+    a sampler's uniform lies in its token's interval; reused, the PIT would not be uniform even for a perfect engine."""
     return int.from_bytes(hashlib.sha256(f"scalerlt-sampler-test:{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 def randomized_pit(logp: Tensor, tokens: Tensor, uniforms: Tensor) -> Tensor:
-    """The randomized probability integral transform of drawn tokens under a policy: logp (k, V), tokens (k,),
-    uniforms (k,) -> (k,) float64 u = F(before) + U * p(token), the vocabulary ordered by probability, highest first
-    (ties by id). For draws from this policy u ~ U(0, 1) exactly; the order makes common faults visible: a lower
-    temperature piles u near 0, a higher one or another loop's logits spread it, truncation empties the top."""
+    """The randomized PIT of drawn tokens: logp (k, V), tokens (k,), uniforms (k,) -> (k,) float64 u = F(before) + U *
+    p(token), the vocabulary by probability, highest first (ties by id). For draws from this policy u ~ U(0, 1); the
+    order shows faults: a lower temperature piles u near 0, a higher one or another loop spreads it, truncation
+    empties the top."""
     probs = logp.double().exp()  # (k, V)
     probs = probs / probs.sum(1, keepdim=True)  # exp(log_softmax) sums to 1 only to rounding
     ranked, order = probs.sort(dim=1, descending=True, stable=True)  # (k, V)
@@ -3289,6 +3243,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: Tensor | None, raw: b
             ran[b, k] = r[i]
 
     def score_policy(call: Call, logp: Tensor) -> None:  # logp (k, V), the readout rows' policy
+        if uniforms is None:  # no sampler test: policy stays NaN
+            return
         b, k = token_index(call.readout)
         tok = tokens[b, first[b] + k + 1].to(logp.device)  # (k,) the recorded tokens
         logp = policy_logprobs(logp, sampled) if raw else logp  # (k, V) shift-invariant: as from the logits
@@ -3299,8 +3255,8 @@ def _teacher_force(model: LoopedLM, ro: Rollout, uniforms: Tensor | None, raw: b
             policy[b, k] = (lp.max(1).values - lp.gather(1, tok[:, None])[:, 0]).cpu()
 
     with torch.no_grad():
-        calls, scored = teacher_forced_schedule(ro, R), None if uniforms is None else score_policy
-        lp, exit_lp = execute_schedule(model, ro, calls, "fast", collect_gates, scored)
+        calls = teacher_forced_schedule(ro, R)
+        lp, exit_lp = execute_schedule(model, ro, calls, "fast", collect_gates, score_policy)
     return lp.cpu().double(), exit_lp.cpu().double(), gates, ran, policy
 
 
@@ -3547,10 +3503,8 @@ def _print_failures(records: list[dict], results: list[VerifyResult], opts: Veri
             m = "no threshold explains it" if v["margin"] is None else f"CDF - threshold = {v['margin']:+.2e}"
             print(f"      token {v['token']}: exit loop {v['recorded']}, rule says {v['rule']} ({m}: wrong depth)")
         for k in f.exit_logprobs[:3]:
-            print(
-                f"      token {k}: exit loop {rec['exit_loops'][k]}, recorded exit log-prob "
-                f"{rec['exit_logprobs'][k]:.6f}, reference {float(res.exit_logprobs[k]):.6f}"
-            )
+            e, recorded, ref = rec["exit_loops"][k], rec["exit_logprobs"][k], float(res.exit_logprobs[k])
+            print(f"      token {k}: exit loop {e}, recorded exit log-prob {recorded:.6f}, reference {ref:.6f}")
         for k in f.greedy[:3]:
             gap = float(res.greedy_gap[k])
             print(f"      token {k}: greedy record, but {gap:.3e} below the reference's best log-prob")
@@ -3605,14 +3559,11 @@ def cmd_verify(args) -> int:
     within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
     model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
     records = read_records(args.rollouts, model.config)
-    opts = VerifyOptions.for_engine(
-        args.engine_dtype, threshold=args.exit_threshold, **flag_fields(VerifyOptions, args)
-    )
+    fields = flag_fields(VerifyOptions, args)
+    opts = VerifyOptions.for_engine(args.engine_dtype, threshold=args.exit_threshold, **fields)
     tolerances = "calibrated" if opts.calibrate else f"atol={opts.atol:g}, flip margin={opts.flip_margin:g}"
-    print(
-        f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} "
-        f"({args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv})"
-    )
+    what = f"{args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv}"
+    print(f"verifying {len(records)} sequences from {args.rollouts} against {args.model or args.config} ({what})")
     t0 = shown = time.time()
 
     def progress(done: int) -> None:  # a line at most every 2 seconds, and one at the end
@@ -3630,10 +3581,9 @@ def cmd_verify(args) -> int:
         return 2 if isinstance(e, ValueError) else 1
     if cal is not None:
         opts = cal.options(opts, args.atol, args.flip_margin)
-        print(
-            f"  calibrated on the reference in {args.engine_dtype} ({'/'.join(map(str, cal.layouts))} sequences a "
-            f"pass): atol={opts.atol:.3g}, flip margin={opts.flip_margin:.3g}, rank and flip tests at {opts.alpha:g}"
-        )
+        tests = f"atol={opts.atol:.3g}, flip margin={opts.flip_margin:.3g}, rank and flip tests at {opts.alpha:g}"
+        layouts = "/".join(map(str, cal.layouts))
+        print(f"  calibrated on the reference in {args.engine_dtype} ({layouts} sequences a pass): {tests}")
     seconds, summary = time.time() - t0, verify_summary(records, results, opts, cal)
     summary.update(engine_dtype=args.engine_dtype, exit_rule=args.exit_rule, seconds=round(seconds, 3))
     summary.update(sequences_per_second=round(len(records) / max(seconds, 1e-9), 1))
@@ -3641,21 +3591,16 @@ def cmd_verify(args) -> int:
     if flips := summary["near_threshold_flips"]:
         print(f"  {flips} near-threshold exit flips (|CDF - threshold| <= {opts.flip_margin:g}): not failures")
     if summary["sampler_p_value"] is not None and summary["sampler_p_value"] < opts.sampler_alpha:
-        print(
-            f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy "
-            f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
-        )
+        ks = f"(KS p = {summary['sampler_p_value']:.2e} < {opts.sampler_alpha:g})"
+        print(f"  SAMPLER: the {summary['sampler_tokens']} sampled tokens are not draws from the reference policy {ks}")
     if {"rank_test", "flip_test"} & set(summary["failed_checks"]):
         c, g = summary["calibration"], lambda p: "-" if p is None else f"{p:.2e}"
-        print(
-            f"  CALIBRATION: more than the reference's own {args.engine_dtype} rounding explains: |diff| rank test p = "
-            f"{g(c['rank_p_value'])}, exits off the rule {c['engine_exit_flips']} (its {c['exit_flips']}): p = "
-            f"{g(c['flip_p_value'])}"
-        )
+        exits = f"exits off the rule {c['engine_exit_flips']} (its {c['exit_flips']}): p = {g(c['flip_p_value'])}"
+        why = f"more than the reference's own {args.engine_dtype} rounding explains"
+        print(f"  CALIBRATION: {why}: |diff| rank test p = {g(c['rank_p_value'])}, {exits}")
     if args.plot:
-        save_plot(
-            Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, model.config.total_ut_steps, cal)
-        )
+        R = model.config.total_ut_steps
+        save_plot(Path(args.plot), lambda plt: _plot_verify(plt, records, results, summary, R, cal))
     passed = summary.pop("passed")
     print(json.dumps(summary))
     return 0 if passed else 1
@@ -3678,10 +3623,8 @@ def read_prompts(flags, cfg: Config, tok) -> list[list[int]]:
             problem = f"found {bad}" if bad else "it is empty"
             raise ValueError(f"{where}: {key!r} must give a non-empty list of ids in 0..{V - 1} ({problem})")
         if len(ids) + flags.max_new_tokens > limit:
-            raise ValueError(
-                f"{where}: {key!r}: {len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit "
-                f"max_position_embeddings={limit}"
-            )
+            over = f"{len(ids)} tokens + {flags.max_new_tokens} new exceed the position limit"
+            raise ValueError(f"{where}: {key!r}: {over} max_position_embeddings={limit}")
         prompts.append(ids)
     if not prompts:
         raise ValueError(f"{flags.prompts}: no prompts")
@@ -3702,10 +3645,8 @@ def cmd_rollout(args) -> int:
     run = dict(max_new_tokens=args.max_new_tokens, seed=args.seed, max_num_seqs=args.max_num_seqs)
     ro = rollout(model, prompts, policy, **run)
     if bad := int((~torch.isfinite(ro.logprobs) & ro.mask).sum()):  # never write a record no verifier could check
-        raise ValueError(
-            f"{bad} sampled tokens have non-finite log-probs (--temperature {args.temperature} too "
-            "small, or the model's logits overflow); nothing written"
-        )
+        why = f"(--temperature {args.temperature} too small, or the model's logits overflow)"
+        raise ValueError(f"{bad} sampled tokens have non-finite log-probs {why}; nothing written")
     records = rollout_records(ro, raw_logprobs(model, ro) if args.logprob_mode == "raw" else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(Path(args.out), lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in records)))
@@ -3774,9 +3715,8 @@ def rollout_bytes(model: LoopedLM, ro: Rollout) -> int:
 
 
 def no_wait_calls(ro: Rollout, slots: int = 0) -> int:
-    """The calls of a rollout in which no sequence waits for another: each a job of the calls it makes alone
-    (deferred: the sum of its tokens' exit loops; dense: R a token), placed in order into `slots` (0: all) as
-    they free."""
+    """The calls of a rollout in which no sequence waits for another: each a job of the calls it makes alone (deferred:
+    the sum of its tokens' exit loops; dense: R a token), placed in order into `slots` (0: all) as they free."""
     free, R = [0] * (slots or len(ro.prompts)), ro.schedule.loops  # free: a heap of when each slot frees
     for exits in ro.exit_loops:
         heapq.heapreplace(free, free[0] + (sum(exits) if ro.policy.mode == "deferred" else R * len(exits)))
@@ -3797,15 +3737,11 @@ def _check_bench_positions(args, cfg: Config, real: bool) -> None:
     """Every sequence the bench runs fits the model's positions, checked once its config is read, before any work."""
     P = cfg.max_position_embeddings
     if BENCH_PROMPT_MAX + args.new_tokens > P:
-        raise ValueError(
-            f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}, "
-            "the model's max_position_embeddings"
-        )
+        over = f"--new-tokens {args.new_tokens} + a bench prompt's {BENCH_PROMPT_MAX} tokens > {P:,}"
+        raise ValueError(f"{over}, the model's max_position_embeddings")
     if not real and args.cache_prompt + args.cache_tokens > P:  # (--model: the cache test runs the short prompt)
-        raise ValueError(
-            f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}, "
-            "the model's max_position_embeddings"
-        )
+        over = f"--cache-prompt {args.cache_prompt:,} + --cache-tokens {args.cache_tokens:,} > {P:,}"
+        raise ValueError(f"{over}, the model's max_position_embeddings")
 
 
 class _BenchSetup:
@@ -4282,10 +4218,8 @@ def cmd_demo(flags) -> int:
         return warm["dev_accuracy"]
 
     def report(when: str, r: dict, note: str) -> None:
-        print(
-            f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note}); mean exit loop "
-            f"{r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s"
-        )
+        lead = f"held-out greedy accuracy after {when} {r['accuracy']:.3f} ± {r['stderr']:.3f} ({note})"
+        print(f"{lead}; mean exit loop {r['mean_exit_loop']:.2f}, deferred {r['tokens_per_second']:.0f} tok/s")
 
     def on_start(model, tok):
         before.update(evaluate(model, tok, held_out, policy, max_new_tokens=flags.max_new_tokens))
