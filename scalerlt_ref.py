@@ -2470,9 +2470,8 @@ class ShardedLearner:
         for p, m in zip(self.params, self.masters):
             m.grad = None if p.grad is None else p.grad.to_local().to(m.dtype)
         self.opt.step()
-        for m in self.masters:
-            m.grad = None
         for i, (p, m, s) in enumerate(zip(self.params, self.masters, self.shards)):
+            m.grad = None
             if m is not s:  # the shard is the master's export; stochastic noise drawn for the whole, then sliced
                 whole = (p.shape, self.rows(p.shape[0]))
                 s.copy_(export_rounded(m, self.rounding, self.gen, self.residuals and self.residuals[i], whole))
@@ -2493,10 +2492,9 @@ class ShardedLearner:
     def check_sync(self) -> None:
         """The audit's premise under --fsdp (the replay runs on the copy): the copy's weights are the learner's, bit
         for bit, each rank its rows; else ReplayMismatchError naming them (one all-reduce of the count)."""
-        served = [p for _, p in self.copy.named_parameters()]
-        names = [name for name, _ in self.copy.named_parameters()]
-        bad = [n for n, c, s in zip(names, served, self.shards) if not torch.equal(c[self.rows(c.shape[0])], s)]
-        count = torch.tensor(float(len(bad)))
+        named = list(self.copy.named_parameters())
+        bad = [n for (n, c), s in zip(named, self.shards) if not torch.equal(c[self.rows(c.shape[0])], s)]
+        count = torch.tensor(float(len(bad)), device=self.copy.device)
         torch.distributed.all_reduce(count)
         if count:
             raise ReplayMismatchError(
@@ -2702,9 +2700,8 @@ def _setup(cfg: TrainConfig, dist: dict, say: Callable[[str], None], sft: dict |
             was = f"by {written} processes under --fsdp" if written else "without --fsdp"
             run = f"{now} processes under --fsdp" if now else "not sharded"
             raise ValueError(f"--resume: {saved} was written {was}; this run: {run}. Resume it as it was written")
-        opt.load_state_dict(
-            torch.load(saved.parent / f"learner.step{state['step']}.rank{opt.rank}.pt", weights_only=True)
-        )
+        rows = saved.parent / f"learner.step{state['step']}.rank{opt.rank}.pt"
+        opt.load_state_dict(torch.load(rows, weights_only=True))
     elif state:
         opt.load_state_dict(state if isinstance(opt, MasterWeights) else state["optimizer"])
     ref = None
@@ -2718,11 +2715,9 @@ def _plan_or_refuse(cfg: TrainConfig, model: LoopedLM, prompt_len: int, world: i
     """Print one step's memory plan (at the longest prompt); on a GPU, refuse one that cannot fit, naming the flag."""
     sequences = cfg.prompts_per_step // world * cfg.group_size
     step = dict(sequences=sequences, prompt_len=prompt_len, new_tokens=cfg.max_new_tokens)
-    settings = {
-        k: getattr(cfg, k)
-        for k in ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta", "numerics", "cuda_graphs")
-    }
-    W, settings = world if cfg.fsdp else 1, settings | {"rounding": cfg.export_rounding, "device": model.device}
+    names = ("max_num_seqs", "micro_batch", "grad_checkpoint", "beta", "numerics", "cuda_graphs")
+    settings = {k: getattr(cfg, k) for k in names} | {"rounding": cfg.export_rounding, "device": model.device}
+    W = world if cfg.fsdp else 1
     plan = memory_plan(model.config, model.dtype, **step, **settings, world=W, data_parallel=world > W)
     text, per = "; ".join(plan_lines(plan)), f" per rank of {W} (--fsdp)" if W > 1 else ""
     say(f"memory plan{per}, a step of {sequences} x ({prompt_len} + {cfg.max_new_tokens}) positions: {text}")
