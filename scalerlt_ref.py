@@ -139,8 +139,9 @@ class Call:
 # Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
 # layers and norms; padding writes line -1, read by padding lanes only; a real row's
-# keys past its position weigh 0, adding exactly 0 as stored values are finite (zeros
-# at first); a padding row has key 0 (no softmax over all -inf). Replays pad alike.
+# keys past its position weigh 0, adding exactly 0 as stored values are finite (zeroed
+# as a rollout takes a cache); a padding row has key 0 (no softmax over all -inf).
+# Replays pad alike.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -932,8 +933,8 @@ def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast"
 
 def hybrid(value: Tensor, tf: Tensor) -> Tensor:
     """The learner's log-probs: the bits of `value` (the sampler's), the gradient of `tf`. NOTE: in
-    this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x; `tf + (value - tf).detach()` is
-    not bitwise. A token top-k/top-p drops gets no gradient, not NaN."""
+    this order, tf - tf.detach() is exactly 0.0 and x + 0.0 == x (-0.0 turns +0.0: equal);
+    `tf + (value - tf).detach()` is not bitwise. A token top-k/top-p drops gets no gradient."""
     return value.detach() + torch.where(tf == -math.inf, 0.0, tf - tf.detach())
 
 
@@ -1088,7 +1089,7 @@ def grpo_update(
     # live: the rows to teacher-force. NOTE: advantage 0 adds exactly 0 (its tokens still
     # count): forced only for the KL. None: row 0, so that backward has a graph.
     live = (kept if grpo.beta > 0 else adv != 0).nonzero()[:, 0].tolist() or [0]
-    # pieces: micro-batches of live rows; the whole step: one piece of every row
+    # pieces: micro-batches of live rows (the whole step: one piece of every row); FSDP pads them
     size = grpo.micro_batch if 0 < grpo.micro_batch < B else B
     pieces = [list(range(B))] if size == B else [live[i : i + size] for i in range(0, len(live), size)]
     real = len(pieces)  # FSDP: as many backwards on every rank (each reduce-scatters), padded at weight 0
