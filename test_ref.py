@@ -3689,6 +3689,15 @@ def test_fsdp_audit_and_bad_input(slow_jobs):
     assert len(refusal) == 1 and "by 2 processes under --fsdp" in refusal[0] and "this run: not sharded" in refusal[0]
 
 
+def test_a_world_that_does_not_divide_the_step_is_refused_before_work(micro_json):
+    """--fsdp (or data parallel) with 2 processes and 3 prompts a step: one line naming both, before a model is
+    built or a problem read."""
+    cfg = S.TrainConfig(config=micro_json, prompts_per_step=3, fsdp=True, data="/nonexistent.jsonl")
+    world = {"rank": 0, "world": 2, "local_rank": 0, "all_reduce": None}
+    with pytest.raises(ValueError, match=r"^--prompts-per-step 3 must be divisible by the number of processes 2$"):
+        S._setup(cfg, world, lambda *_: None)
+
+
 @slow_job("test_fsdp_resumed_run_equals_uninterrupted")
 def _fsdp_kill_job(tmp: Path, forks: ForkServer) -> dict[str, tuple]:
     """Per dtype, torchrun --fsdp with 2 gloo processes on the micro model: a run that never stops (a); one whose rank
