@@ -690,7 +690,8 @@ class Rollout:
 
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
-    """A group's prompt once: its first runs it but its end, then shares it."""
+    """A group's prompt once, for teacher forcing (the rollout: `Seats`): its first runs it
+    but its end (each runs its own end: the first token's readout), then shares it."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
@@ -704,7 +705,8 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 class Seats:
     """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
-    group's leader runs the prompt but its end, the others `held`, then shares it."""
+    group's leader runs the prompt but its end, the others `held`, then shares it (as
+    `shared_prefix` does for teacher forcing: the same K/V, a group's prompt run once)."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
