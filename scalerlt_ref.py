@@ -2548,14 +2548,10 @@ def _train_step(cfg: TrainConfig, step: int, model: LoopedLM, tok, opt, ref, pro
         with open(out / f"rollouts.rank{rank}.jsonl", "a") as f:
             for gid, rec in zip(gids, rollout_records(ro)):
                 f.write(json.dumps({"step": step + 1, "sequence": gid, **rec}) + "\n")
-    grpo, sharded, t1 = (
-        dataclasses.replace(cfg.grpo(), check_replay=audit),
-        isinstance(opt, ShardedLearner),
-        time.time(),
-    )
+    grpo, sharded = dataclasses.replace(cfg.grpo(), check_replay=audit), isinstance(opt, ShardedLearner)
+    t1, (learner, served) = time.time(), (opt.learner, model) if sharded else (model, None)
     if sharded and audit:  # the replay runs on the copy: the audit checks that it is the learner
         opt.check_sync()
-    learner, served = (opt.learner, model) if sharded else (model, None)
     m = grpo_update(learner, opt, ro, rewards, grpo, cfg.numerics, ref, dist["all_reduce"], served)
     rw = rewards.float().view(-1, G)  # (P, G); below: what the step logs about its rollouts (TRL/verl names)
     m |= {
