@@ -2197,7 +2197,7 @@ def memory_plan(
     the step: float32 gradients of the rows, a weight's temporaries, and the sync's largest unit gathered.
     `data_parallel` (torchrun without --fsdp): the step sums the gradients as one flat vector, and a copy of it."""
     meta = empty_model(cfg, dtype, "meta")
-    sizes, unit = [p.numel() for p in meta.parameters()], sum(p.numel() for p in meta.model.layers[0].parameters())
+    sizes, layer = [p.numel() for p in meta.parameters()], sum(p.numel() for p in meta.model.layers[0].parameters())
     P, largest, e, cuda = sum(sizes), max(sizes), dtype.itemsize, "cuda" in str(device)
     C, I, H, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.vocab_size
     T, LR, low = prompt_len + new_tokens, cfg.num_hidden_layers * cfg.total_ut_steps, e < 4
@@ -2206,7 +2206,7 @@ def memory_plan(
     kv, kvw = kv_cache_bytes_per_token(cfg, dtype)["total"], cfg.num_key_value_heads * cfg.head_dim
     saved = _SAVED["checkpointed" if grad_checkpoint else "dense"](e, C, I, kvw, H * T)
     per_token = LR * saved + (5.5 * e + 17) * C  # every position; the readout's below, completion tokens only
-    W, unit = max(world, 1), max(unit, P - cfg.num_hidden_layers * unit)  # the largest FSDP unit: a layer or the root
+    W, unit = max(world, 1), max(layer, P - cfg.num_hidden_layers * layer)  # the largest FSDP unit: a layer or the root
     plan = {
         "weights": P * e,
         "learner_rows": P * e // W * (W > 1),
@@ -2506,8 +2506,8 @@ class ShardedLearner:
             )
 
     def state_dict(self) -> dict:  # this rank's rows
-        state = {"masters": self.masters, "optimizer": self.opt.state_dict(), "world": self.world}
-        return state | {"exporter": {"residuals": self.residuals, "generator": self.gen.get_state()}}
+        exporter = {"residuals": self.residuals, "generator": self.gen.get_state()}  # the world: trainer_state.pt's
+        return {"masters": self.masters, "optimizer": self.opt.state_dict(), "exporter": exporter}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
