@@ -138,10 +138,10 @@ class Call:
 
 # Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
-# layers and norms; padding writes line -1, read by padding lanes only; a real row's
-# keys past its position weigh 0, adding exactly 0 as stored values are finite (zeroed
-# as a rollout takes a cache); a padding row has key 0 (no softmax over all -inf).
-# Replays pad alike.
+# layers and norms; padding writes line -1, read by padding lanes only (a padding row in a
+# real lane reads its key 0; its output is dropped); a real row's keys past its position
+# weigh 0, adding exactly 0 as stored values are finite (zeroed as a rollout takes a
+# cache); a padding row has key 0 (no softmax over all -inf). Replays pad alike.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -192,7 +192,10 @@ class Rows:
         grid  lane  b  r   col 0   col 1
           0     0   2  1   pos 7           Bc 2, Tq 1, Tk 10
           0     1   5  3   pos 9
-          1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5"""
+          1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
+
+    Static: sizes `bucket`ed (Tk 16, 8); with a row (0, 5, 2) grid 1 is Bc 1, Tq 4, Tk 8, a
+    padding row in col 3. Rows m <= Bc Tq, so bucket(m) <= bucket(Bc) bucket(Tq): they fit."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -801,7 +804,9 @@ def rollout(
     earlier positions at r - 1 ride along; an exiting focus samples the next token, the new
     focus at once (deferred) or after loop R (dense). NOTE: complete: once the focus ran loop r,
     all earlier positions ran >= r (each call lifts those at r - 1; none is lower). Safe: loop r
-    reads its loop r - 1 output and earlier loop-r K/V, which exist: one function of the tokens."""
+    reads its loop r - 1 output and earlier loop-r K/V, which exist: one function of the tokens.
+    The README's deferred grid: focus 4 runs loop 1 (call 8), exits; focus 5 runs loops 1-3
+    (9-11), position 4 riding along at loops 2, 3; focus 7's loop 4 (16) lifts 4, 5, 6."""
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(map(len, prompts)) + N
@@ -910,7 +915,8 @@ def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
 
 
 def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
-    """Teacher forcing's dense schedule: loop r of all positions a call, read at recorded exits."""
+    """Teacher forcing's dense schedule: loop r of all positions a call, read at recorded exits.
+    It keeps §4's rule (rows at depth r - 1, K/V read exist): the rollout's function."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
     grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # prompt shared
     for r in range(1, loops + 1):
@@ -957,6 +963,9 @@ def learner_logprobs(
 
 
 # --- GRPO ---
+# A step (`grpo_update`, first below the banner): mu AdamW iterations of `grpo_loss` on
+# `learner_logprobs`. Iteration 1's value is the sampler's record: every ratio exactly 1.0,
+# and the replay audits it bit for bit (`ReplayMismatchError`); later ones the replay's.
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -1027,6 +1036,15 @@ def grpo_loss(
     return loss, stats
 
 
+# ============================================================================
+# THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
+# all. Everything below is tooling (the GRPO step's loop, CUDA graphs, config files and HF checkpoints,
+# tokenizers, data and rewards, the warm start, the trainer and torchrun, the oracle, the bench, the
+# commands); nothing above needs it (`CallGraphs` stand in for `LoopedLM.loop` in static calls: the same bits).
+# ===================================================================================================
+
+
+# --- The GRPO step: iterations, micro-batches, the audit, collectives ---
 class ReplayMismatchError(RuntimeError): ...  # the replay is not the sampler, bitwise
 
 
@@ -1141,16 +1159,7 @@ def grpo_update(
     return metrics
 
 
-# ============================================================================
-# THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
-# all. Everything below is tooling (config files and HF checkpoints, tokenizers, data and rewards, the warm
-# start, the trainer and torchrun, the oracle, the bench, the commands); nothing above needs it (CUDA graphs,
-# `CallGraphs`, stand in for `LoopedLM.loop` in static calls where a model has them: the same bits).
-# ===================================================================================================
-
 # --- The "hf" exit rule: Hugging Face modeling_ouro.py's arithmetic (Contract §3), to check engines that use it ---
-
-
 def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
     """HF's exit CDF of j <= R loops' gates (..., j), in their dtype: p_i = lam_i * remaining; remaining *= 1 - lam_i;
     p_R = remaining; cumsum(p). Why this arithmetic: README, Contract, "Derivations" (_hf_cdf)."""
@@ -1171,8 +1180,6 @@ EXIT_RULES = tuple(EXIT_CDFS)  # "survival", "hf"
 
 
 # --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
-
-
 class CudaGraphError(RuntimeError):
     """A CUDA graph captured nothing, or its first replay is not the eager call's bits (`--no-cuda-graphs`)."""
 
@@ -1272,7 +1279,6 @@ def use_cuda_graphs(model: LoopedLM, enabled: bool = True) -> LoopedLM:
 
 
 # --- Config files and HF checkpoints (the Ouro layout: config.json + safetensors, exact tensor names) ---
-
 JSON_MAX_DEPTH = 64  # checked before parsing: deeper nesting overflows Python's stack inside json
 JSON_MAX_NUMBER_DIGITS = 100  # longer numbers hit the 4300-digit int limit or overflow a float far from their line
 _JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
@@ -1663,8 +1669,6 @@ Config.from_json = staticmethod(load_config)
 
 
 # --- Tokenizers ---
-
-
 class ByteTokenizer:
     """Bytes 0..255 are tokens 0..255; 256 BOS, 257 EOS, 258 PAD. For tiny models (vocab >= 259); no chat template."""
 
@@ -1769,7 +1773,6 @@ def setup_prompts(tok, flags, cfg: Config, fallback: int | None = None) -> tuple
 
 
 # --- Data and rewards ---
-
 # A number as written (README §7): "$", thousands separators ("4,5" is two numbers), decimals; \[dt]frac{a}{b}.
 _NUMBER = r"-?\\[dt]?frac\{-?\d+\}\{\d+\}|-?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\$?\.\d+"
 
@@ -1901,8 +1904,6 @@ def encode_problem(tok, problem: dict) -> tuple[list[int], list[int]]:
 
 
 # --- Warm start and evaluation ---
-
-
 @dataclass
 class LoopOutputs:
     logits: Tensor  # (R, B, T, V) readout of every loop, in the model dtype
@@ -2000,7 +2001,6 @@ def evaluate(
 
 
 # --- Flags: each command's flags are the fields of one dataclass; one builder, one checker ---
-
 MAX_COUNT = 10**6  # the largest count a flag may ask for (problems, sequences per step, new tokens, ...)
 MAX_SEED = 2**63 - 1  # torch generators take 64-bit seeds
 MAX_BATCH = 4096  # the bench draws this many prompts at most
@@ -2110,8 +2110,6 @@ def check_flags(flags) -> None:
 
 
 # --- Hardware: is bfloat16 fast here? (bench and train ask once, at start-up) ---
-
-
 def _timed(device: torch.device, fn: Callable):
     """(seconds, fn()), the device synchronized on both sides (NOTE: CUDA kernels run asynchronously)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
@@ -2156,8 +2154,6 @@ def bf16_warning(ratios: dict[str, float]) -> str | None:
 
 
 # --- Memory: the plan of one GRPO step, part by part (bench and train print it) ---
-
-
 def kv_cache_bytes_per_token(cfg: Config, dtype: torch.dtype) -> dict[str, int]:
     """What the rollout's cache (`LoopCache`) keeps per position: K and V of every layer and loop, h and its depth."""
     b = dtype.itemsize
@@ -2243,7 +2239,6 @@ def plan_lines(plan: dict[str, int]) -> list[str]:
 
 
 # --- Trainer: typed configuration, the training loop, checkpoints with trainer state, torchrun ---
-
 REWARDS = ("strict", "lenient", "digits")
 TOP_K_HELP = "sample among the k most likely tokens only, ties with the k-th included (0: all; vLLM's top_k)"
 CUDA_GRAPHS_HELP = (
@@ -2784,7 +2779,6 @@ def train(cfg: TrainConfig, log: Callable = print, on_start: Callable | None = N
 
 
 # --- The oracle: reading rollout records (written by `rollout_records`, under Trainer) and verifying them ---
-
 RECORD_KEYS = ("prompt_ids", "completion_ids", "exit_loops", "logprobs")
 LOGPROB_MODES = ("processed", "raw")  # a record's log-probs: of the distribution sampled, or vLLM's raw_logprobs
 
@@ -3652,8 +3646,6 @@ def cmd_rollout(args) -> int:
 
 
 # --- Benchmark ---
-
-
 @torch.no_grad()
 def recompute_rollout(model: LoopedLM, prompt: list[int], max_new_tokens: int, threshold: float) -> list[int]:
     """What a reader writes without a KV cache: every new token reruns the whole sequence, all loops (greedy, dense)."""
@@ -4003,8 +3995,6 @@ def cmd_bench(args) -> int:
 
 
 # --- Commands: each one's flags (a dataclass, see `_flag`), its function, then the parser made from them ---
-
-
 @dataclass
 class ModelFlags:
     """The flags of a command that loads one model: a checkpoint, or a random model from a config."""
