@@ -100,7 +100,8 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
-    """sigmoid by the scalar kernel: batch-independent bits (Derivations)."""
+    """sigmoid by the scalar kernel (a strided view takes no vector path): batch-independent
+    bits (README, Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -178,8 +179,8 @@ class Grid:
             rows, lane, col = rows + [next(pad)], lane + [i], col + [j]
         kv = [k for k, _, _ in lanes] + [-1] * (Bc - len(lanes))
         # The mask of a lane with rows at pos 3 and 4 (Tk 5; x: may attend):
-        #   pos 3:  x x x x .    earlier positions come from the cache,
-        #   pos 4:  x x x x x    the row itself from this call
+        #   pos 3:  x x x x .    keys from the lane's line: this call's rows
+        #   pos 4:  x x x x x    wrote theirs first, earlier ones are cached
         return dict(rows=rows, lane=lane, col=col, kv=kv, pos=pos), (Bc, Tq, Tk)
 
 
@@ -195,7 +196,8 @@ class Rows:
           1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
 
     Static: sizes `bucket`ed (Tk 16, 8); with a row (0, 5, 2) grid 1 is Bc 1, Tq 4, Tk 8, a
-    padding row in col 3. Rows m <= Bc Tq, so bucket(m) <= bucket(Bc) bucket(Tq): they fit."""
+    padding row in col 3. They fit: m <= Bc Tq, and bucket(Bc) bucket(Tq) >= Bc Tq is a power of
+    two or a multiple of 128, so >= bucket(m)."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -238,7 +240,8 @@ class Rows:
         order = list(itertools.chain(*(grid["rows"] for grid in grids)))  # the model's rows
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # One transfer: the model's inputs first (`flat`, laid out as the call's shape)
+        # Speed only: every list in one host-to-device copy, named in order by `take`; `flat`: the
+        # model's inputs first (a CUDA graph copies them in at once), laid out as the call's shape
         lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
         lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder
         lists += itertools.chain(*(grid.values() for grid in grids))
@@ -631,7 +634,8 @@ def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: s
 
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
-    """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it."""
+    """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it.
+    prompt_end (B,): prompts' last positions (each reads out token 0)."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -709,7 +713,9 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 class Seats:
     """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
     group's leader runs the prompt but its end, the others `held`, then shares it (as
-    `shared_prefix` does for teacher forcing: the same K/V, a group's prompt run once)."""
+    `shared_prefix` does for teacher forcing: the same K/V, a group's prompt run once). Two
+    sequences of one 3-token prompt: the leader's positions 0, 1 run loops 1..R (calls 1..R,
+    the other held); call R copies them to the other; then each runs its own position 2."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
@@ -768,7 +774,7 @@ def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: R
     (dec, b, t, r, g), R = decided, model.config.total_ut_steps
     deciders = [call.rows[i] for i in dec.tolist()]
     if policy.exit_policy == "sampled":
-        draw = [gens[c] if policy.min_loops <= q < R else None for c, _, q in deciders]
+        draw = [gens[row[0]] if policy.min_loops <= row[2] < R else None for row in deciders]
         e = sample_exits(g, r, R, policy.min_loops, uniforms(draw, h.device))
     else:
         e = exit_loops(tape.gates[b, t], R, tau, policy.min_loops, policy.exit_rule, done=r)
@@ -834,7 +840,7 @@ def rollout(
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
         loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
+        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,) seated now: depth 0
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
@@ -848,12 +854,13 @@ def rollout(
         call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
         # 4) Exiting rows read out and sample; a stop id or N tokens stop.
         stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
-        for (b, q, _), stop in zip(call.readout, stops):
+        for (b, p, _), stop in zip(call.readout, stops):
             length[b] += 1
             stopped.update([b] if stop else [])
             if not (stop or runs_all(b)):
-                focus[b], ran[b] = q + 1, 0  # deferred: the new position is focus
-        # 5) A focus done with loop R moves on: the prompt's end, next position, or out.
+                focus[b], ran[b] = p + 1, 0  # deferred: the new position is focus
+        # 5) A focus done with loop R moves on: the prompt's end, next position, or out (deferred:
+        # an exit moved it on in 4; at R here: dense, a full prefill, a leader's shared prompt).
         for s, b in live:
             if ran[b] == R and focus[b] < ends[b]:  # a leader's prompt, shared
                 seats.shared(b)
@@ -904,7 +911,8 @@ def execute_schedule(
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit under
     the same weights; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
-    rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p)."""
+    rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p;
+    a cache line only selects, key lengths come from the rows)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     if ro.schedule.check is not None:  # from a file
@@ -962,10 +970,22 @@ def learner_logprobs(
     return joint_logprobs(ro, tok, ext), joint_logprobs(ro, tf_tok, tf_exit)
 
 
-# --- GRPO ---
-# A step (`grpo_update`, first below the banner): mu AdamW iterations of `grpo_loss` on
-# `learner_logprobs`. Iteration 1's value is the sampler's record: every ratio exactly 1.0,
-# and the replay audits it bit for bit (`ReplayMismatchError`); later ones the replay's.
+# --- Into GRPO ---
+# GRPO (below the banner; Contract §6) is TRL's and verl's clipped loss, with logp the
+# `learner_logprobs` and logp_old the record's `joint_logprobs`: on iteration 1, equal bit
+# for bit (the value is the record), so every ratio is exp(0) = 1.0; the replay audits the
+# record (`ReplayMismatchError` if one bit differs) and is the value of later iterations.
+
+
+# ============================================================================
+# THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
+# all. Everything below is tooling (GRPO's loss and step, CUDA graphs, config files and HF checkpoints,
+# tokenizers, data and rewards, the warm start, the trainer and torchrun, the oracle, the bench, the
+# commands); nothing above needs it (`CallGraphs` stand in for `LoopedLM.loop` in static calls: the same bits).
+# ===================================================================================================
+
+
+# --- GRPO (Contract §6): advantages, the clipped loss; a step's iterations, micro-batches, the audit ---
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -1036,15 +1056,6 @@ def grpo_loss(
     return loss, stats
 
 
-# ============================================================================
-# THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
-# all. Everything below is tooling (the GRPO step's loop, CUDA graphs, config files and HF checkpoints,
-# tokenizers, data and rewards, the warm start, the trainer and torchrun, the oracle, the bench, the
-# commands); nothing above needs it (`CallGraphs` stand in for `LoopedLM.loop` in static calls: the same bits).
-# ===================================================================================================
-
-
-# --- The GRPO step: iterations, micro-batches, the audit, collectives ---
 class ReplayMismatchError(RuntimeError): ...  # the replay is not the sampler, bitwise
 
 
