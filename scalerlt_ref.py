@@ -92,7 +92,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call."""
+    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call. Rows are in
+    order: each writes its K/V before it attends, so later rows see earlier ones."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -140,9 +141,12 @@ class Call:
 # Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
 # layers and norms; padding writes line -1, read by padding lanes only (a padding row in a
-# real lane reads its key 0; its output is dropped); a real row's keys past its position
-# weigh 0, adding exactly 0 as stored values are finite (zeroed as a rollout takes a
-# cache); a padding row has key 0 (no softmax over all -inf). Replays pad alike.
+# real lane reads its key 0, its output dropped); a real row's keys past its position weigh
+# 0, adding exactly 0 as stored values are finite (zeroed as a rollout takes a cache; a
+# non-finite one reaches a readout, which stops); a padding row has key 0 (finite: no
+# softmax over all -inf). Replays pad alike. Tk <= T: bucket(Tk) fits a cache bucket(T) long.
+# A CUDA graph (`CallGraphs`, below the banner) reruns a static call's kernels on fixed
+# buffers, checked bit for bit against the eager call at capture: its bits, any cache length.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -470,7 +474,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V they read exists.
+    # Deferral's invariant: rows at depth r - 1; every K/V they read exists (this call's rows'
+    # count: depth is set first, as they write their K/V before attending).
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
     if 1 in loops:  # loop 1 reads the embedding
@@ -505,7 +510,8 @@ KV_POLICIES: dict[str, ExactKV] = {"exact": ExactKV()}
 
 # --- Exit rule ---
 def _survival_cdf(gate_logits: Tensor, R: int) -> Tensor:
-    """§3's CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i), float64."""
+    """§3's exit CDF of gates (..., j), j <= R: 1 - prod_{i<=j} (1 - lam_i) (1 - survival), in
+    acc_dtype, returned float64."""
     stay = 1 - sigmoid_elementwise(gate_logits.detach().to(acc_dtype(gate_logits.dtype)))
     remaining = torch.ones_like(stay[..., :1])  # prod (1 - lam): not exited
     cdf = [stay[..., :0]]
@@ -635,7 +641,8 @@ def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: s
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
     """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it.
-    prompt_end (B,): prompts' last positions (each reads out token 0)."""
+    prompt_end (B,): prompts' last positions (each reads out token 0); (b, p, r) decides for token
+    t = p - prompt_end[b] iff t >= 0 and (its exit e is 0 or r <= e)."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -714,8 +721,8 @@ class Seats:
     """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
     group's leader runs the prompt but its end, the others `held`, then shares it (as
     `shared_prefix` does for teacher forcing: the same K/V, a group's prompt run once). Two
-    sequences of one 3-token prompt: the leader's positions 0, 1 run loops 1..R (calls 1..R,
-    the other held); call R copies them to the other; then each runs its own position 2."""
+    sequences of one 3-token prompt: the leader's positions 0, 1 run loops 1..R (its first R
+    calls, the other held); the R-th copies them to the other; then each runs its position 2."""
 
     def __init__(self, prompts: list[list[int]], S: int):
         self.prompts, self.S, self.seat = prompts, S, {}  # seat: slot -> sequence
@@ -941,7 +948,8 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
 
 
 def teacher_forced_logprobs(model: LoopedLM, ro: Rollout, numerics: str = "fast", with_exits: bool = False):
-    """One differentiable forward ("static" runs "fast"): (B, N); `with_exits`: (tokens', exits')."""
+    """One differentiable forward ("static" runs "fast": no graphs with grad): (B, N); `with_exits`:
+    (tokens', exits')."""
     calls = teacher_forced_schedule(ro, model.config.total_ut_steps)
     tok, ext = execute_schedule(model, ro, calls, numerics.replace("static", "fast"))
     return (tok, ext) if with_exits else tok
@@ -1034,8 +1042,7 @@ def grpo_loss(
 ) -> tuple[Tensor, dict]:  # fmt: skip
     """Clipped GRPO: logp, logp_old (B, N); adv (B,); mask (B, N) -> (loss, stats). Per token
     min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A) - beta k3 KL to `ref_logp`, / `count`."""
-    maskf = mask.float()  # (B, N)
-    ratio = torch.exp(logp - logp_old)  # (B, N)
+    maskf, ratio = mask.float(), torch.exp(logp - logp_old)  # (B, N) each
     a, lo, hi = adv[:, None], 1 - grpo.epsilon_low, 1 + grpo.epsilon_high  # (B, 1)
     term = torch.minimum(ratio * a, torch.clamp(ratio, lo, hi) * a)  # (B, N)
     stats = {}
@@ -1104,11 +1111,10 @@ def grpo_update(
     numerics: str = "fast", ref_model: LoopedLM | None = None, all_reduce: Callable | None = None,
     rollout_model: LoopedLM | None = None,
 ) -> dict:  # fmt: skip
-    """mu GRPO iterations on one rollout; metrics in TRL/verl names. Log-probs: `learner_logprobs`.
-    Iteration 1's value is the sampler's record (`check_replay`: the replay must match it bit for
-    bit), later ones the replay's. `grpo.micro_batch` sequences a backward, gradients summed.
-    `rollout_model`: the copy the replays run on (`ShardedLearner`: `model` is then FSDP's, whose
-    gradients arrive summed: every process runs as many micro-batches, its collectives pair)."""
+    """mu GRPO iterations on one rollout; metrics in TRL/verl names. Log-probs: `learner_logprobs`. Iteration 1's
+    value is the sampler's record (`check_replay`: the replay must match it bit for bit), later ones the replay's.
+    `grpo.micro_batch` sequences a backward, gradients summed. `rollout_model`: the copy the replays run on
+    (`ShardedLearner`: `model` is FSDP's, its gradients arrive summed; every process runs as many micro-batches)."""
     mask, B, served = ro.mask.to(model.device), len(ro.prompts), rollout_model or model  # (B, N); the replays'
     recorded = (ro.logprobs.to(model.device), ro.exit_logprobs.to(model.device))  # (B, N) each
     logp_old = joint_logprobs(ro, *recorded)  # (B, N)
@@ -2432,7 +2438,6 @@ class ShardedLearner:
     gradients, AdamW and the float32 masters; `copy`, a plain model the rollouts and replays run on, gathered from it
     after every step (below float32: the masters' export, the noise drawn for a whole tensor, so that the bits are one
     process's whatever the world). An optimizer to `grpo_update` (`learner`: its model; `copy`: its `copy`).
-
     NOTE: every rank makes the same collectives in the same order, whatever its rollouts. Backward reaches a layer's
     calls in an order that follows the rows (their readouts), so nothing is exchanged there: a unit is gathered at its
     first call (in forward: the layers' order) and kept through backward, its gradient summed over its calls and
@@ -3557,8 +3562,7 @@ def cmd_verify(args) -> int:
     log-prob at its recorded exit loop (teacher-forced) and check every exit loop against the exit rule. Exit 0: all
     within tolerance; 1: mismatches, exit-rule violations or a failed sampler test; 2: bad input."""
     model = _load_model_arg(args, DTYPES[args.dtype])  # bad input: a ValueError, exit 2 (main)
-    records = read_records(args.rollouts, model.config)
-    fields = flag_fields(VerifyOptions, args)
+    records, fields = read_records(args.rollouts, model.config), flag_fields(VerifyOptions, args)
     opts = VerifyOptions.for_engine(args.engine_dtype, threshold=args.exit_threshold, **fields)
     tolerances = "calibrated" if opts.calibrate else f"atol={opts.atol:g}, flip margin={opts.flip_margin:g}"
     what = f"{args.dtype} reference; engine {args.engine_dtype}: {tolerances}; exit rule {args.exit_rule}, kv={args.kv}"
