@@ -140,13 +140,13 @@ class Call:
 
 # Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
-# layers and norms; padding writes line -1, read by padding lanes only (a padding row in a
-# real lane reads its key 0, its output dropped); a real row's keys past its position weigh
-# 0, adding exactly 0 as stored values are finite (zeroed as a rollout takes a cache; a
-# non-finite one reaches a readout, which stops); a padding row has key 0 (finite: no
-# softmax over all -inf). Replays pad alike. Tk <= T: bucket(Tk) fits a cache bucket(T) long.
-# A CUDA graph (`CallGraphs`, below the banner) reruns a static call's kernels on fixed
-# buffers, checked bit for bit against the eager call at capture: its bits, any cache length.
+# layers and norms; padding writes line -1 (over itself), read by padding lanes only (a
+# padding row in a real lane reads its key 0, its output dropped); a real row's keys past
+# its position weigh 0, adding exactly 0 on finite values (the cache starts zeroed; a
+# non-finite one read makes a readout non-finite: the rollout stops); a padding row has
+# key 0 (no all -inf softmax). Replays pad alike. Tk <= T: bucket(Tk) fits a bucket(T) cache.
+# A CUDA graph (`CallGraphs`, below the banner) records a static call's kernels and reruns
+# them on its rows copied in, checked bit for bit against the eager call at capture.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -309,7 +309,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
 
     def forward(self, x, rows: Rows, cos, sin, k_cache, v_cache, redo: bool = False):
-        """x (n, C); cos, sin (n, 1, D); k_cache, v_cache (lines, KVH, T, D)."""
+        """x (n, C) (static: n + pad rows); cos, sin (n, 1, D); k_cache, v_cache (lines, KVH, T, D)."""
         n, H, KVH, D = x.shape[0], self.H, self.KVH, self.D
         qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=1).view(n, H + KVH, D)
         q, k = apply_rope(qk, cos, sin).split([H, KVH], dim=1)  # (n, H, D), (n, KVH, D)
@@ -847,7 +847,7 @@ def rollout(
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
         loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,) seated now: depth 0
+        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,) seated in this call: depth 0
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
@@ -875,7 +875,7 @@ def rollout(
                 del seats.seat[s]  # free for the next sequence
             elif ran[b] == R:
                 focus[b], ran[b] = focus[b] + 1, 0
-    # 6) Exits' log-probs from the deciding gates, as the replay's.
+    # 6) Exits' log-probs from the deciding gates (B, N, R), as the replay's: same shape, zeros.
     sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
     exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)

@@ -3106,7 +3106,7 @@ def test_warm_start_steps_at_its_rate():
 @pytest.mark.parametrize("required", [False, True])
 def test_stop_required_scores_a_completion_cut_at_the_limit_zero(monkeypatch, required, seed=0):
     """--stop-required (on in the demo, off in train): a completion that reaches --max-new-tokens without sampling a
-    stop id scores 0 whatever its text (DAPO's overlong punishment: README, "A completion must stop"); one that stopped
+    stop id scores 0 whatever its text (DAPO's overlong punishment: README, "a completion must stop"); one that stopped
     keeps its score. Every text scores 1 here. The premise, built: a first step (invariant numerics: a sequence's
     draws do not depend on the others or on the stop ids) finds a token t that sequence b draws first and some cut
     sequence never draws; a second step with t a stop id has b stop at its first token and that one cut again."""
@@ -3143,8 +3143,8 @@ def test_stop_required_scores_a_completion_cut_at_the_limit_zero(monkeypatch, re
 @pytest.mark.parametrize("eps", [1e-8, 1e-4])
 def test_grpo_adam_eps_damps_tiny_gradients(eps):
     """--adam-eps reaches GRPO's AdamW (PyTorch's 1e-8 by default, in train and the demo), whose first step moves a
-    weight by lr x g / (|g| + eps): a weight whose gradient is far below eps moves far less than lr (the reward-neutral
-    text: README, "Format drift"), one far above it moves by lr. One GRPO step on tiny.json after a short warm start;
+    weight by lr x g / (|g| + eps): a weight whose gradient is far below eps moves far less than lr (a reward-neutral
+    text's), one far above it moves by lr. One GRPO step on tiny.json after a short warm start;
     the gradients are the step's own (the digits reward: no group ties). bfloat16's masters get the same eps."""
     assert S.DemoFlags().adam_eps == 1e-8 and S.TrainConfig().adam_eps == 1e-8
     cfg = S.TrainConfig(config=TINY_JSON, sft_steps=3, steps=1, prompts_per_step=4, group_size=4, reward="digits",
