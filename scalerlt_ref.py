@@ -117,7 +117,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # --- Calls: rows, slots, cache lines; packing a call ---
 # A *row* (b, p, r): position p of sequence b at loop r; a *call* runs rows through the
 # L layers at once, each at its loop. Sequences in flight hold *slots*; loop r's K/V
-# of slot s is *cache line* (r - 1) * S + s (-1: padding's). A row reads its loop r - 1
+# of slot s is *cache line* (r - 1) * S + s (the last, -1: padding's). A row reads its loop r - 1
 # output (h) and its sequence's loop-r K/V up to its position.
 
 
@@ -191,7 +191,7 @@ class Grid:
 @dataclass
 class Rows:
     """A call's rows as the model's inputs, sent at once. Rows share every matmul; attention
-    reads grids: a sequence's rows are a lane; lanes of one row, of several pack apart.
+    reads grids: a sequence's rows are a lane; lanes of one row (no columns to pad), of several pack apart.
     Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
@@ -918,8 +918,8 @@ def execute_schedule(
 def replay_logprobs(model: LoopedLM, ro: Rollout, with_exits: bool = False):
     """The rollout's schedule again, no gradients: (B, N) log-probs, `ro.logprobs` bit for bit under
     the same weights; `with_exits`: (tokens', exits'). NOTE: by induction, call i repeats the
-    rollout's (rows, order, shapes) on K/V of its bits; later tokens, cache length: unread (p' > p;
-    a cache line only selects, key lengths come from the rows)."""
+    rollout's (rows, order, shapes) on K/V of its bits (stale ones too: the same seats and calls);
+    keys past a row weigh 0, the cache's size only selects (key lengths come from the rows)."""
     if ro.schedule.dtype != str(model.dtype):
         raise ValueError(f"the schedule was recorded in {ro.schedule.dtype}; the model is {model.dtype}")
     if ro.schedule.check is not None:  # from a file
