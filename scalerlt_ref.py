@@ -145,8 +145,12 @@ class Call:
 # its position weigh 0, adding exactly 0 on finite values (the cache starts zeroed; a
 # non-finite one read makes a readout non-finite: the rollout stops); a padding row has
 # key 0 (no all -inf softmax). Replays pad alike. Tk <= T: bucket(Tk) fits a bucket(T) cache.
-# A CUDA graph (`CallGraphs`, below the banner) records a static call's kernels and reruns
-# them on its rows copied in, checked bit for bit against the eager call at capture.
+# CUDA graphs (`CallGraphs`, below the banner): one a call shape (grids, rows, cache), recorded
+# from the eager static call at its first occurrence and checked against it bit for bit; a
+# launch reruns those kernels, same parameters, on the call's rows copied into its inputs:
+# as repeatable as the eager call. The graphs own the caches (fixed addresses), zeroed as a
+# rollout takes one; a replay's cache of another length is another shape, checked alike. A
+# rollout and its replay make the same calls through `model.call_graphs`: the same path.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -247,7 +251,7 @@ class Rows:
         # Speed only: every list in one host-to-device copy, named in order by `take`; `flat`: the
         # model's inputs first (a CUDA graph copies them in at once), laid out as the call's shape
         lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder
+        lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder: argsort(order)
         lists += itertools.chain(*(grid.values() for grid in grids))
         n_in = sum(map(len, lists))
         lists += [seq, pos, loop, [slot_of[b] for b in seq]]
@@ -640,9 +644,9 @@ def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: s
 
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
-    """Rows (n,) -> which decide an exit: completion rows while their exit is 0, or up to it.
-    prompt_end (B,): prompts' last positions (each reads out token 0); (b, p, r) decides for token
-    t = p - prompt_end[b] iff t >= 0 and (its exit e is 0 or r <= e)."""
+    """Rows (n,) -> which decide an exit: (b, p, r) for token t = p - prompt_end[b] (prompts' last
+    positions: each reads out token 0) iff t >= 0 and (its exit e is 0 or r <= e). A rollout's e
+    is 0 until it exits, so a replay's rows with r <= e are exactly the rollout's deciders."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -1197,16 +1201,13 @@ EXIT_RULES = tuple(EXIT_CDFS)  # "survival", "hf"
 
 
 # --- CUDA graphs: a static call captured once per shape, then replayed (numerics "static") ---
-class CudaGraphError(RuntimeError):
-    """A CUDA graph captured nothing, or its first replay is not the eager call's bits (`--no-cuda-graphs`)."""
+class CudaGraphError(RuntimeError): ...  # a graph captured nothing, or its first launch is not the eager bits
 
 
 class CallGraphs:
-    """`LoopedLM.loop` of static calls, a CUDA graph a call shape, captured at its first call, then replayed on the
-    call's rows copied in. Its one claim, graph == eager static call bit for bit, is checked at capture (the audit
-    cannot see it: the replay runs the graph too). A graph holds its cache's address, so the caches live here, one
-    storage a layer, zeroed each rollout (0 x NaN is NaN); at most `max_graphs`, LRU. Grad, other numerics, over
-    `max_rows` rows: eager. `capture=False` (CPU tests): the same buffers, eager. Off: `--no-cuda-graphs`."""
+    """`LoopedLM.loop` of static calls as CUDA graphs (the method part's static note). The audit cannot see a wrong
+    graph (the replay runs it too): the check at capture can. Caches: one storage a layer, views by shape; at most
+    `max_graphs`, LRU. Grad, other numerics, over `max_rows` rows: eager. `capture=False` (CPU tests): eager."""
 
     def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
         self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
@@ -1216,9 +1217,7 @@ class CallGraphs:
         self.views: dict[tuple, tuple[list, list]] = {}  # cache shape -> its K/V, views of the storage
         self.pool, self.captures, self.capture_seconds = None, 0, 0.0
 
-    @property
-    def model(self) -> LoopedLM:
-        return self._model()
+    model = property(lambda self: self._model())
 
     def kv_buffers(self, shape: tuple[int, ...]) -> tuple[list, list]:
         """Each layer's K and V of one cache shape (R * S + 1, KVH, T, D), zeros, kept: views of the storage."""
@@ -2913,14 +2912,15 @@ def row_loops(schedule: Schedule) -> int:
 
 
 def schedule_grid(schedule: Schedule, seq: int | list[int] = 0) -> str:
-    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none);
-    a list of sequences side by side (one call's number in two of them at two loops: a mixed call)."""
-    w, loops, blocks = max(3, len(str(len(schedule.calls) - 1))) + 1, range(1, schedule.loops + 1), []
+    """A text picture: a line per position, a column per loop, each cell the call that computed it ('·': none; '*':
+    it read out, the exit); a list of sequences side by side (a call's number in two at two loops: a mixed call)."""
+    w, loops, blocks = max(3, len(str(len(schedule.calls) - 1))) + 2, range(1, schedule.loops + 1), []
     for b in [seq] if isinstance(seq, int) else seq:
-        cells = {(p, r): i for i, c in enumerate(schedule.calls) for s, p, r in c.rows if s == b}
-        lines = [f"{schedule.policy.mode}, sequence {b}", "pos " + "".join(f"{'L' + str(r):>{w}}" for r in loops)]
+        cells = {(p, r): f"{i} " for i, c in enumerate(schedule.calls) for s, p, r in c.rows if s == b}
+        cells |= {(p, r): cells[p, r][:-1] + "*" for c in schedule.calls for s, p, r in c.readout if s == b}
+        lines = [f"{schedule.policy.mode}, sequence {b}", "pos " + "".join(f"{f'L{r} ':>{w}}" for r in loops).rstrip()]
         for p in range(max(p for p, _ in cells) + 1 if cells else 0):
-            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '·'):>{w}}" for r in loops))
+            lines.append(f"{p:>3} " + "".join(f"{cells.get((p, r), '· '):>{w}}" for r in loops).rstrip())
         blocks.append(lines if cells else [f"(sequence {b} has no rows)"])
     width = max(len(line) for block in blocks for line in block)
     rows = itertools.zip_longest(*blocks, fillvalue="")
