@@ -1205,9 +1205,9 @@ class CudaGraphError(RuntimeError): ...  # a graph captured nothing, or its firs
 
 
 class CallGraphs:
-    """`LoopedLM.loop` of static calls as CUDA graphs (the method part's static note). The audit cannot see a wrong
-    graph (the replay runs it too): the check at capture can. Caches: one storage a layer, views by shape; at most
-    `max_graphs`, LRU. Grad, other numerics, over `max_rows` rows: eager. `capture=False` (CPU tests): eager."""
+    """`LoopedLM.loop` of static calls as CUDA graphs (the method part's static note; off: `--no-cuda-graphs`). The
+    audit cannot see a wrong graph (the replay runs it too); the check at capture can. Caches: one storage a layer,
+    views by shape; at most `max_graphs`, LRU. Grad, other numerics, over `max_rows` rows, `capture=False`: eager."""
 
     def __init__(self, model: LoopedLM, capture: bool = True, max_rows: int = 2048, max_graphs: int = 256):
         self._model = weakref.ref(model)  # NOTE: not the model: a cycle would keep both alive until gc runs
