@@ -101,8 +101,8 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
-    """sigmoid by the scalar kernel (a strided view takes no vector path): batch-independent
-    bits (README, Derivations)."""
+    """sigmoid by the scalar kernel: the CPU's vector body and scalar tail round differently; a
+    strided view takes the scalar path: a row's bits whatever the batch (README, Derivations)."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
