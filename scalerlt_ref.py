@@ -93,7 +93,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
     """fn(*args), or ("invariant") a row at a time: bits whatever shares the call. Rows are in
-    order: each writes its K/V before it attends, so later rows see earlier ones."""
+    order: a layer's row writes its K/V before it attends, so later rows see earlier ones."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -138,19 +138,6 @@ class Call:
     enter: list[tuple[int, int]] = field(default_factory=list)
 
 
-# Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
-# position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
-# layers and norms; padding writes line -1 (over itself), read by padding lanes only (a
-# padding row in a real lane reads its key 0, its output dropped); a real row's keys past
-# its position weigh 0, adding exactly 0 on finite values (the cache starts zeroed; a
-# non-finite one read makes a readout non-finite: the rollout stops); a padding row has
-# key 0 (no all -inf softmax). Replays pad alike. Tk <= T: bucket(Tk) fits a bucket(T) cache.
-# CUDA graphs (`CallGraphs`, below the banner): one a call shape (grids, rows, cache), recorded
-# from the eager static call at its first occurrence and checked against it bit for bit; a
-# launch reruns those kernels, same parameters, on the call's rows copied into its inputs:
-# as repeatable as the eager call. The graphs own the caches (fixed addresses), zeroed as a
-# rollout takes one; a replay's cache of another length is another shape, checked alike. A
-# rollout and its replay make the same calls through `model.call_graphs`: the same path.
 def bucket(n: int) -> int:
     """A static size >= n: a power of two to 128, then a multiple of it."""
     return 1 << max(n - 1, 0).bit_length() if n <= 128 else -(-n // 128) * 128
@@ -270,6 +257,22 @@ class Rows:
         if (i.start, i.stop) not in self.alone:
             self.alone[i.start, i.stop] = Rows.of(self.rows[i], self.slot_of, self.S, self.seq.device, self.static)
         return self.alone[i.start, i.stop]
+
+
+# Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
+# position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
+# layers and norms; padding writes line -1 (racing itself), read by padding lanes only (a
+# padding row in a real lane reads its key 0, its output dropped); a real row's keys past
+# its position weigh 0, adding exactly 0 on finite values (the cache starts zeroed; a
+# non-finite one read makes a readout non-finite: the rollout stops); a padding row has key
+# 0 (no all -inf softmax). Replays pad alike. A static cache is bucket(T) long and Tk <= T.
+# CUDA graphs (`CallGraphs`, below the banner): one a call shape (grids, rows, cache),
+# recorded from the eager static call at its first occurrence and checked against it bit for
+# bit; a launch reruns those kernels on the call's rows copied into its inputs (weights
+# updated in place): as repeatable as the eager call. The graphs own the caches (fixed
+# addresses), zeroed as a rollout takes one; a replay's cache of another length is another
+# shape, checked alike. A rollout and its replay make the same calls through
+# `model.call_graphs`: the same path.
 
 
 # --- Model (HF Ouro's names: state_dict keys are a checkpoint's) ---
@@ -646,7 +649,7 @@ def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: s
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
     """Rows (n,) -> which decide an exit: (b, p, r) for token t = p - prompt_end[b] (prompts' last
     positions: each reads out token 0) iff t >= 0 and (its exit e is 0 or r <= e). A rollout's e
-    is 0 until it exits, so a replay's rows with r <= e are exactly the rollout's deciders."""
+    is 0 until it exits (riders run past theirs), so a replay's r <= e are the rollout's deciders."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -709,7 +712,7 @@ class Rollout:
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
     """A group's prompt once, for teacher forcing (the rollout: `Seats`): its first runs it
-    but its end (each runs its own end: the first token's readout), then shares it."""
+    except its end (each runs its own end: the first token's readout), then shares it."""
     leader = [prompts.index(prompt) for prompt in prompts]  # the first with b's prompt
     share = [(b, a) for b, a in enumerate(leader) if a != b]  # (dst, src)
     calls = []
@@ -723,7 +726,7 @@ def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
 
 class Seats:
     """Who waits, who sits where, each one's *focus* (newest position) and loops `ran`. A
-    group's leader runs the prompt but its end, the others `held`, then shares it (as
+    group's leader runs the prompt except its end, the others `held`, then shares it (as
     `shared_prefix` does for teacher forcing: the same K/V, a group's prompt run once). Two
     sequences of one 3-token prompt: the leader's positions 0, 1 run loops 1..R (its first R
     calls, the other held); the R-th copies them to the other; then each runs its position 2."""
@@ -742,7 +745,7 @@ class Seats:
         for b, _ in enter:
             a = leader.setdefault(tuple(self.prompts[b]), b)
             if a != b and self.ends[b] > 0:
-                self.held[b], self.focus[a] = a, self.ends[a] - 1  # prompt but its end
+                self.held[b], self.focus[a] = a, self.ends[a] - 1  # prompt except its end
         return enter
 
     def shared(self, a: int) -> None:
@@ -876,8 +879,8 @@ def rollout(
             if ran[b] == R and focus[b] < ends[b]:  # a leader's prompt, shared
                 seats.shared(b)
             elif b in stopped and (ran[b] == R or not runs_all(b)):
-                del seats.seat[s]  # free for the next sequence
-            elif ran[b] == R:
+                del seats.seat[s]  # free for the next (deferred: at its exit; dense: after R)
+            elif ran[b] == R:  # dense, a full prefill: the next position
                 focus[b], ran[b] = focus[b] + 1, 0
     # 6) Exits' log-probs from the deciding gates (B, N, R), as the replay's: same shape, zeros.
     sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
@@ -1187,8 +1190,7 @@ def _hf_cdf(gate_logits: Tensor, R: int) -> Tensor:
     lam = sigmoid_elementwise(gate_logits.detach())  # (..., j) model dtype
     remaining = torch.ones(lam.shape[:-1], dtype=lam.dtype, device=lam.device)
     wide = torch.float64 if lam.dtype.itemsize >= 4 else torch.float32  # cumsum's sum
-    total = torch.zeros_like(remaining, dtype=wide)
-    cdf = [lam[..., :0]]
+    total, cdf = torch.zeros_like(remaining, dtype=wide), [lam[..., :0]]
     for i in range(lam.shape[-1]):  # loop i + 1; the last takes the rest
         total = total + (lam[..., i] * remaining if i < R - 1 else remaining)
         remaining = remaining * (1.0 - lam[..., i])
@@ -1678,10 +1680,8 @@ def load_checkpoint(
 
 
 # The HF-style entry points of the model, attached here so that the model's section needs nothing from below.
-LoopedLM.from_pretrained = staticmethod(load_checkpoint)
-LoopedLM.save_pretrained = save_checkpoint
-Config.from_dict = staticmethod(config_from_dict)
-Config.from_json = staticmethod(load_config)
+LoopedLM.from_pretrained, LoopedLM.save_pretrained = staticmethod(load_checkpoint), save_checkpoint
+Config.from_dict, Config.from_json = staticmethod(config_from_dict), staticmethod(load_config)
 
 
 # --- Tokenizers ---
