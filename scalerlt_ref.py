@@ -102,7 +102,7 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
     """sigmoid by the scalar kernel: the CPU's vector body and scalar tail round differently; a
-    strided view takes the scalar path: a row's bits whatever the batch (README, Derivations)."""
+    non-contiguous view takes the scalar path: an element's bits whatever the batch."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -160,7 +160,8 @@ class Grid:
         sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
-        m_pad = bucket(m) if static else m  # <= bucket(Bc) * bucket(Tq)
+        # fits: m <= Bc Tq <= bucket(Bc) bucket(Tq): a power of 2 or 128k, so >= bucket(m)
+        m_pad = bucket(m) if static else m
         if static:
             Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
         rows, lane, col, pos, free = [], [], [], [], []
@@ -170,7 +171,7 @@ class Grid:
             col += range(len(ps))
             pos += ps + [0] * (Tq - len(ps))
             free += [(i, j) for j in range(len(ps), Tq)]
-        for (i, j), _ in zip(free, range(m_pad - m)):  # static: padding rows
+        for i, j in free[: m_pad - m]:  # static: padding rows
             rows, lane, col = rows + [next(pad)], lane + [i], col + [j]
         kv = [k for k, _, _ in lanes] + [-1] * (Bc - len(lanes))
         # The mask of a lane with rows at pos 3 and 4 (Tk 5; x: may attend):
@@ -179,10 +180,18 @@ class Grid:
         return dict(rows=rows, lane=lane, col=col, kv=kv, pos=pos), (Bc, Tq, Tk)
 
 
+def one_copy(dicts: list[dict[str, list[int]]], device) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    """Speed only: dicts of int lists -> (one host-to-device copy, the dicts as views of it)."""
+    lists = list(itertools.chain(*(d.values() for d in dicts)))
+    flat = torch.tensor(list(itertools.chain(*lists))).to(device)
+    parts = iter(flat.split(list(map(len, lists))))
+    return flat, [{k: next(parts) for k in d} for d in dicts]
+
+
 @dataclass
 class Rows:
-    """A call's rows as the model's inputs, sent at once. Rows share every matmul; attention
-    reads grids: a sequence's rows are a lane; lanes of one row (no columns to pad), of several pack apart.
+    """A call's rows as the model's inputs. Rows share every matmul; attention
+    reads grids: a sequence's rows are a lane; one-row lanes (no columns to pad) pack apart.
     Rows (0, 3, 2), (0, 4, 2), (2, 7, 1), (5, 9, 3):
 
         grid  lane  b  r   col 0   col 1
@@ -191,8 +200,7 @@ class Rows:
           1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
 
     Static: sizes `bucket`ed (Tk 16, 8); with a row (0, 5, 2) grid 1 is Bc 1, Tq 4, Tk 8, a
-    padding row in col 3. They fit: m <= Bc Tq, and bucket(Bc) bucket(Tq) >= Bc Tq is a power of
-    two or a multiple of 128, so >= bucket(m)."""
+    padding row in col 3."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -235,23 +243,17 @@ class Rows:
         order = list(itertools.chain(*(grid["rows"] for grid in grids)))  # the model's rows
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
-        # Speed only: every list in one host-to-device copy, named in order by `take`; `flat`: the
-        # model's inputs first (a CUDA graph copies them in at once), laid out as the call's shape
-        lists = [[kv[b] for b in seq] + [-1] * (n_pad - n), pos + [0] * (n_pad - n)]
-        lists.append(sorted(range(n_pad), key=order.__getitem__))  # unorder: argsort(order)
-        lists += itertools.chain(*(grid.values() for grid in grids))
-        n_in = sum(map(len, lists))
-        lists += [seq, pos, loop, [slot_of[b] for b in seq]]
-        lists += map(list, zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()]))
-        flat = torch.tensor(list(itertools.chain(*lists))).to(device)
-        parts = iter(flat.split(list(map(len, lists))))
-        take = lambda *names: {k: next(parts) for k in names}  # noqa: E731
-        model_in = take("kv", "kv_pos", "unorder") | {"flat": flat[:n_in]}
-        for i, (Bc, Tq, Tk) in enumerate(shapes):
-            grids[i] = Grid(**take("rows", "lane", "col", "kv"), pos=next(parts).view(Bc, Tq), Tk=Tk)
-        rest = take("seq", "pos", "loop", "slot", "lane_slot", "lane_loop", "lane_last")
+        model_in = {"kv": [kv[b] for b in seq] + [-1] * (n_pad - n), "kv_pos": pos + [0] * (n_pad - n)}
+        model_in["unorder"] = sorted(range(n_pad), key=order.__getitem__)  # argsort(order)
+        rest = dict(seq=seq, pos=pos, loop=loop, slot=[slot_of[b] for b in seq])
+        per_lane = zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()])
+        rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
+        flat, (model_in, *grids, rest) = one_copy([model_in, *grids, rest], device)
+        grids = [Grid(**g | {"pos": g["pos"].view(Bc, Tq)}, Tk=Tk) for g, (Bc, Tq, Tk) in zip(grids, shapes)]
+        n_in = len(flat) - sum(map(len, rest.values()))  # the model's inputs
         in_order = len(grids) == 1 and order == list(range(n_pad))
-        return cls(rows, slot_of, S, static, **rest, **model_in, in_order=in_order, grids=grids, pad=n_pad - n)
+        rest |= model_in | dict(flat=flat[:n_in], in_order=in_order, grids=grids, pad=n_pad - n)
+        return cls(rows, slot_of, S, static, **rest)
 
     def __getitem__(self, i: slice) -> Rows:  # rows alone (`by_rows`)
         if (i.start, i.stop) not in self.alone:
@@ -268,11 +270,10 @@ class Rows:
 # 0 (no all -inf softmax). Replays pad alike. A static cache is bucket(T) long and Tk <= T.
 # CUDA graphs (`CallGraphs`, below the banner): one a call shape (grids, rows, cache),
 # recorded from the eager static call at its first occurrence and checked against it bit for
-# bit; a launch reruns those kernels on the call's rows copied into its inputs (weights
-# updated in place): as repeatable as the eager call. The graphs own the caches (fixed
-# addresses), zeroed as a rollout takes one; a replay's cache of another length is another
-# shape, checked alike. A rollout and its replay make the same calls through
-# `model.call_graphs`: the same path.
+# bit (real rows); a launch reruns those kernels on the call's rows copied into its inputs
+# (weights updated in place). The graphs own the caches (fixed addresses), zeroed as a
+# rollout takes one; a replay's cache of another length is another shape, checked alike.
+# Rollout and replay make the same calls through `model.call_graphs`: the same path.
 
 
 # --- Model (HF Ouro's names: state_dict keys are a checkpoint's) ---
@@ -345,7 +346,7 @@ class Attention(nn.Module):
             qp[g.lane, g.col] = q  # (Bc, Tq, H, D)
         qp = qp.view(Bc, Tq, KVH, rep, D).permute(0, 2, 3, 1, 4).reshape(Bc, KVH, rep * Tq, D)
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
-        att = att.masked_fill(masked[:, :, None], float("-inf"))
+        att = att.masked_fill(masked[:, :, None], float("-inf"))  # (Bc, 1, 1, Tq, Tk)
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
         y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
         y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding out
@@ -481,8 +482,8 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V they read exists (this call's rows'
-    # count: depth is set first, as they write their K/V before attending).
+    # Deferral's invariant: rows at depth r - 1; every K/V read exists: a lane's positions to its
+    # last have run its loop (this call's rows count: they write K/V before attending).
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
     if 1 in loops:  # loop 1 reads the embedding
@@ -566,7 +567,8 @@ def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Ten
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
     """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...).
-    NOTE: computed here only, for rollout, replay, teacher forcing alike."""
+    NOTE: computed here only, for rollout, replay, teacher forcing alike; elementwise: logsigmoid
+    gives an element its bits whatever the tensor's length (measured)."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
@@ -603,12 +605,10 @@ class Policy:
         for name, allowed in choices.items():
             if (v := getattr(self, name)) not in allowed:
                 raise ValueError(f"{name.replace('_', ' ')} must be one of {tuple(allowed)}, got {v!r}")
-        finite = 0 <= self.temperature < math.inf and 0 <= (self.exit_threshold or 0) < math.inf
-        if not (finite and self.min_loops >= 1 and self.top_k >= 0 and 0 < self.top_p <= 1):
+        ok = 0 <= self.temperature < math.inf and 0 <= (self.exit_threshold or 0) < math.inf and self.min_loops >= 1
+        if not (ok and self.top_k >= 0 and 0 < self.top_p <= 1 and type(self.stop_ids) is tuple):
             need = "finite temperature, threshold >= 0 (or None), min_loops >= 1, top_k >= 0, top_p in (0, 1]"
-            raise ValueError(f"need {need}: {self}")
-        if not isinstance(self.stop_ids, tuple):
-            raise ValueError(f"stop_ids must be a tuple: {self}")
+            raise ValueError(f"need {need}, stop_ids a tuple: {self}")
         if (self.exit_policy, self.exit_rule) == ("sampled", "hf"):
             raise ValueError("exit rule 'hf' is a threshold rule; sampled exits draw with lam")
         if (self.kv, self.mode) == ("last_exited", "dense"):
@@ -629,7 +629,7 @@ def policy_logprobs(logits: Tensor, policy: Policy, numerics: str = "fast") -> T
         cut = s[:, V - k : V - k + 1]  # (n, 1) the k-th largest; ties stay
         if policy.top_p < 1:  # NOTE: ascending cumsum, vLLM's arithmetic
             probs = torch.softmax(s.masked_fill(s < cut, -math.inf), dim=-1)  # (n, V)
-            low = probs.cumsum(dim=-1) <= 1 - policy.top_p  # (n, V) to drop
+            low = probs.cumsum(dim=-1) <= 1 - policy.top_p  # (n, V) to drop (top-k's: p 0)
             dropped = low.sum(1, keepdim=True).clamp(max=V - 1)  # (n, 1)
             cut = s.gather(1, dropped)  # the top token always stays
         x = x.masked_fill(x < cut, -math.inf)  # (n, V); the kept renormalise
@@ -648,8 +648,8 @@ def read_out(model: LoopedLM, call: Call, h: Tensor, policy: Policy, numerics: s
 
 def decides_exit(loop, seq: Tensor, pos: Tensor, prompt_end: Tensor, exits: Tensor):
     """Rows (n,) -> which decide an exit: (b, p, r) for token t = p - prompt_end[b] (prompts' last
-    positions: each reads out token 0) iff t >= 0 and (its exit e is 0 or r <= e). A rollout's e
-    is 0 until it exits (riders run past theirs), so a replay's r <= e are the rollout's deciders."""
+    positions: each reads out token 0) iff t >= 0 and (its exit e is 0 or r <= e). In a rollout e is
+    0 until the token exits, later rows have r > e: a replay's r <= e are the rollout's deciders."""
     tok_index = pos - prompt_end[seq]  # (n,) < 0: a prompt row
     e = exits[seq, tok_index.clamp(min=0)]  # (n,)
     return (tok_index >= 0) & ((e == 0) | (loop <= e))
@@ -745,7 +745,7 @@ class Seats:
         for b, _ in enter:
             a = leader.setdefault(tuple(self.prompts[b]), b)
             if a != b and self.ends[b] > 0:
-                self.held[b], self.focus[a] = a, self.ends[a] - 1  # prompt except its end
+                self.held[b], self.focus[a] = a, self.ends[a] - 1  # b waits, a runs 0..end-1
         return enter
 
     def shared(self, a: int) -> None:
@@ -854,18 +854,19 @@ def rollout(
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
         loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
-        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,) seated in this call: depth 0
+        # a sequence entering now is not seated yet (`execute_call` seats it, its depths 0)
+        fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
         rows = [(live[i][1], p, loop[live[i][1]]) for i, p in todo.nonzero().tolist()]
         share = [(b, a) for b, a in seats.held.items() if loop[a] == R]  # leader's prompt done
         call = Call(sorted(rows), share=share, enter=enter)
-        h, ran_rows = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C)
+        h, packed = execute_call(model, call, tape.tokens, cache, numerics)  # (n, C); Rows
         calls.append(call)
         for b in loop:
             ran[b] += 1
         # 3) Undecided newest positions decide: by rule or by draw.
-        call.readout = decide_exits(model, policy, call, h, ran_rows, tape, gens, tau)
+        call.readout = decide_exits(model, policy, call, h, packed, tape, gens, tau)
         # 4) Exiting rows read out and sample; a stop id or N tokens stop.
         stops = sample_next(model, policy, call, h, tape, gens, cache) if call.readout else []
         for (b, p, _), stop in zip(call.readout, stops):
@@ -901,7 +902,7 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): S is the top s + 1
+    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): S = top s + 1 (all fill first)
     cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
