@@ -244,7 +244,7 @@ class Rows:
         seq, pos, loop = map(list, zip(*rows))
         n, n_pad = len(rows), len(order)  # n + pad
         model_in = {"kv": [kv[b] for b in seq] + [-1] * (n_pad - n), "kv_pos": pos + [0] * (n_pad - n)}
-        model_in["unorder"] = sorted(range(n_pad), key=order.__getitem__)  # argsort(order)
+        model_in["unorder"] = sorted(range(n_pad), key=order.__getitem__)  # order's inverse
         rest = dict(seq=seq, pos=pos, loop=loop, slot=[slot_of[b] for b in seq])
         per_lane = zip(*[(slot_of[b], r, ps[-1]) for b, (r, ps, _) in lanes.items()])
         rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
@@ -502,7 +502,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 
 class ExactKV:
-    """The method's KV policy (§4): every K/V read is exact. Hooks: other engines'."""
+    """The method's KV policy: every K/V read is exact. Hooks: other engines' (tooling)."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
@@ -854,7 +854,7 @@ def rollout(
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
         loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
-        # a sequence entering now is not seated yet (`execute_call` seats it, its depths 0)
+        # one entering now is not seated yet (`execute_call` seats it, depths 0)
         fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
