@@ -92,8 +92,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call. Rows are in
-    order: a layer's row writes its K/V before it attends, so later rows see earlier ones."""
+    """fn(*args), or ("invariant") a row at a time (a sliced `Rows`: one row): bits whatever
+    shares the call. In order: a row writes its K/V before it attends; later rows see earlier ones."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -102,7 +102,7 @@ def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
 
 def sigmoid_elementwise(x: Tensor) -> Tensor:
     """sigmoid by the scalar kernel: the CPU's vector body and scalar tail round differently; a
-    non-contiguous view takes the scalar path: an element's bits whatever the batch."""
+    non-contiguous view takes the scalar path: bits whatever the batch."""
     flat = x.reshape(-1)
     return torch.sigmoid(torch.stack([flat, flat], dim=-1)[:, 0]).reshape(x.shape)
 
@@ -250,7 +250,7 @@ class Rows:
         rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
         flat, (model_in, *grids, rest) = one_copy([model_in, *grids, rest], device)
         grids = [Grid(**g | {"pos": g["pos"].view(Bc, Tq)}, Tk=Tk) for g, (Bc, Tq, Tk) in zip(grids, shapes)]
-        n_in = len(flat) - sum(map(len, rest.values()))  # the model's inputs
+        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())  # model inputs
         in_order = len(grids) == 1 and order == list(range(n_pad))
         rest |= model_in | dict(flat=flat[:n_in], in_order=in_order, grids=grids, pad=n_pad - n)
         return cls(rows, slot_of, S, static, **rest)
@@ -902,7 +902,7 @@ def execute_schedule(
     tokens, dev = ro.tokens(model.device), model.device  # (B, T)
     (B, N), R = ro.mask.shape, model.config.total_ut_steps
     policy, kv, sampled = ro.policy, KV_POLICIES[ro.policy.kv], ro.policy.exit_policy == "sampled"
-    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): S = top s + 1 (all fill first)
+    enters = itertools.chain(*(call.enter for call in calls))  # (b, s): call 0 fills slots 0..S-1
     cache = LoopCache.empty(model, min(B, max((s + 1 for _, s in enters), default=0)), tokens.shape[1], numerics)
     out = torch.zeros(B, N, dtype=acc_dtype(model.dtype), device=dev)  # (B, N)
     prompt_end = torch.tensor([len(prompt) - 1 for prompt in ro.prompts], device=dev)  # (B,)
