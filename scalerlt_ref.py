@@ -250,7 +250,7 @@ class Rows:
         rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
         flat, (model_in, *grids, rest) = one_copy([model_in, *grids, rest], device)
         grids = [Grid(**g | {"pos": g["pos"].view(Bc, Tq)}, Tk=Tk) for g, (Bc, Tq, Tk) in zip(grids, shapes)]
-        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())  # model inputs
+        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())
         in_order = len(grids) == 1 and order == list(range(n_pad))
         rest |= model_in | dict(flat=flat[:n_in], in_order=in_order, grids=grids, pad=n_pad - n)
         return cls(rows, slot_of, S, static, **rest)
@@ -338,7 +338,7 @@ class Attention(nn.Module):
         (m, H, D), dtype = q.shape, q.dtype
         (Bc, Tq), Tk = g.pos.shape, g.Tk
         masked = torch.arange(Tk, device=q.device) > g.pos[:, None, :, None]  # (Bc, 1, Tq, Tk)
-        KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep
+        KVH, rep = self.KVH, H // self.KVH  # head h reads K/V head h // rep: qp (Bc, KVH, rep * Tq, D)
         if Tq == 1:  # a row a lane: the rows are the grid
             qp = q.view(Bc, 1, H, D)
         else:
@@ -854,7 +854,7 @@ def rollout(
         live = [(s, b) for s, b in sorted(seats.seat.items()) if b not in seats.held]
         loop = {b: ran[b] + 1 for _, b in live}  # a focus's loop now
         f, r = torch.tensor([[focus[b], loop[b]] for _, b in live], device=dev).T  # (k,) each
-        # one entering now is not seated yet (`execute_call` seats it, depths 0)
+        # entering now: not yet seated (`execute_call` seats it: depth 0)
         fresh = torch.tensor([b not in cache.slot_of for _, b in live], device=dev)  # (k,)
         depth = torch.where(fresh[:, None], 0, cache.depth[[s for s, _ in live], :T])  # (k, T)
         todo = (depth == r[:, None] - 1) & (torch.arange(T, device=dev) <= f[:, None])  # (k, T)
