@@ -199,8 +199,8 @@ class Rows:
           0     1   5  3   pos 9
           1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
 
-    Static: sizes `bucket`ed (Tk 16, 8); with a row (0, 5, 2) grid 1 is Bc 1, Tq 4, Tk 8, a
-    padding row in col 3."""
+    Static: sizes `bucket`ed (Tk 16, 8); a row (0, 5, 2) added, grid 1 is Bc 1, Tq 4, Tk 8, a
+    padding row in col 3 (m 3 -> 4)."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -482,13 +482,13 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
         raise ScheduleError("a call's row or share names a sequence not in its slot, or a loop past R")
     rows = Rows.of(call.rows, cache.slot_of, cache.S, tokens.device, numerics == "static")
     seq, pos, slot, r = rows.seq, rows.pos, rows.slot, rows.loop
-    # Deferral's invariant: rows at depth r - 1; every K/V read exists: a lane's positions to its
-    # last have run its loop (this call's rows count: they write K/V before attending).
+    # Deferral's invariant: rows at depth r - 1; every K/V read exists: a lane's positions
+    # to its last have run its loop.
     late = (cache.depth[slot, pos] != r - 1).sum()
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
     if 1 in loops:  # loop 1 reads the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
-    cache.depth[slot, pos] = r
+    cache.depth[slot, pos] = r  # before `missing`: K/V written before attending
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
     missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
     if late + missing:  # one read back per call
