@@ -160,7 +160,7 @@ class Grid:
         sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
-        # fits: m <= Bc Tq <= bucket(Bc) bucket(Tq): a power of 2 or 128k, so >= bucket(m)
+        # fits: m <= Bc Tq <= bucket(Bc) bucket(Tq): a power of 2 (both <= 128) or 128k, so >= bucket(m)
         m_pad = bucket(m) if static else m
         if static:
             Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
@@ -250,7 +250,7 @@ class Rows:
         rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
         flat, (model_in, *grids, rest) = one_copy([model_in, *grids, rest], device)
         grids = [Grid(**g | {"pos": g["pos"].view(Bc, Tq)}, Tk=Tk) for g, (Bc, Tq, Tk) in zip(grids, shapes)]
-        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())
+        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())  # flat's head: model inputs
         in_order = len(grids) == 1 and order == list(range(n_pad))
         rest |= model_in | dict(flat=flat[:n_in], in_order=in_order, grids=grids, pad=n_pad - n)
         return cls(rows, slot_of, S, static, **rest)
@@ -567,8 +567,8 @@ def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Ten
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
     """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...).
-    NOTE: computed here only, for rollout, replay, teacher forcing alike; elementwise: logsigmoid
-    gives an element its bits whatever the tensor's length (measured)."""
+    NOTE: computed here only, for rollout, replay, teacher forcing alike, on (B, N, R) gates of
+    one shape: the same bits."""
     R = gate_logits.shape[-1]
     g = gate_logits.to(acc_dtype(gate_logits.dtype))  # (..., R)
     stay, go = F.logsigmoid(-g), F.logsigmoid(g)  # (..., R): log(1 - lam), log lam
