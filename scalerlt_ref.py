@@ -199,8 +199,8 @@ class Rows:
           0     1   5  3   pos 9
           1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
 
-    Static: sizes `bucket`ed (Tk 16, 8); a row (0, 5, 2) added, grid 1 is Bc 1, Tq 4, Tk 8, a
-    padding row in col 3 (m 3 -> 4)."""
+    Static, these rows: grid 0 Tk 16, grid 1 Tk 8 (other sizes are buckets). A row (0, 5, 2)
+    more: grid 1 has 3 rows, so m 4, Bc 1, Tq 4, Tk 8, a padding row in col 3."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
@@ -250,7 +250,7 @@ class Rows:
         rest |= zip(("lane_slot", "lane_loop", "lane_last"), per_lane)
         flat, (model_in, *grids, rest) = one_copy([model_in, *grids, rest], device)
         grids = [Grid(**g | {"pos": g["pos"].view(Bc, Tq)}, Tk=Tk) for g, (Bc, Tq, Tk) in zip(grids, shapes)]
-        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())  # flat's head: model inputs
+        n_in = flat.shape[0] - sum(t.shape[0] for t in rest.values())  # flat's head
         in_order = len(grids) == 1 and order == list(range(n_pad))
         rest |= model_in | dict(flat=flat[:n_in], in_order=in_order, grids=grids, pad=n_pad - n)
         return cls(rows, slot_of, S, static, **rest)
@@ -488,7 +488,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
     if 1 in loops:  # loop 1 reads the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
-    cache.depth[slot, pos] = r  # before `missing`: K/V written before attending
+    cache.depth[slot, pos] = r  # before `missing`: K/V are written first
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
     missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
     if late + missing:  # one read back per call
@@ -681,7 +681,7 @@ class Schedule:
     policy: Policy  # the rollout's own
     dtype: str  # e.g. "torch.bfloat16"
     loops: int  # R
-    check: Callable | None = field(default=None, repr=False, compare=False)  # (schedule, ro), a file's
+    check: Callable | None = field(default=None, repr=False, compare=False)  # a file's
 
 
 @dataclass
@@ -883,7 +883,7 @@ def rollout(
                 del seats.seat[s]  # free for the next (deferred: at its exit; dense: after R)
             elif ran[b] == R:  # dense, a full prefill: the next position
                 focus[b], ran[b] = focus[b] + 1, 0
-    # 6) Exits' log-probs from the deciding gates (B, N, R), as the replay's: same shape, zeros.
+    # 6) Exits' log-probs from the deciding gates (B, N, R): the replay's shape, zeros.
     sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
     exit_lp = exit_logprob(tape.gates, tape.exits, policy.min_loops) if sampled else torch.zeros_like(tape.logprobs)
     mask = torch.arange(N) < torch.tensor(length)[:, None]  # (B, N)
