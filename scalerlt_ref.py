@@ -200,7 +200,7 @@ class Rows:
           1     0   0  2   pos 3   pos 4   Bc 1, Tq 2, Tk 5
 
     Static, these rows: grid 0 Tk 16, grid 1 Tk 8 (other sizes are buckets). A row (0, 5, 2)
-    more: grid 1 has 3 rows, so m 4, Bc 1, Tq 4, Tk 8, a padding row in col 3."""
+    more: grid 1 has 3 rows, so m_pad 4, Bc 1, Tq 4, Tk 8, a padding row in col 3."""
 
     rows: list[tuple[int, int, int]]  # the call's (b, p, r), sorted, unique
     slot_of: dict[int, int]  # sequence -> its slot
