@@ -8,7 +8,7 @@ The method: a deferred rollout stops a token at its exit loop; skipped loops
 ride along later calls when a later token needs their K/V. A rollout records its
 *schedule*; the replay runs it through the same function: the same bits. The
 learner's value is the sampler's record (the replay audits it) or the replay; its
-gradient a dense teacher-forced pass. Simplified: one model a process, a dense KV
+gradient a dense teacher-forced pass. Simplified: one model a process, a full KV
 cache, no sliding window, no bias.
 
 Letters, one meaning each (rarer ones where used):
@@ -92,8 +92,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def by_rows(numerics: str, fn: Callable, *args) -> Tensor:
-    """fn(*args), or ("invariant") a row at a time (a sliced `Rows`: one row): bits whatever
-    shares the call. In order: a row writes its K/V before it attends; later rows see earlier ones."""
+    """fn(*args), or ("invariant") a row at a time: bits whatever shares the call. In order: a row
+    writes its K/V before it attends; later rows see earlier ones."""
     if numerics != "invariant":
         return fn(*args)
     n = args[0].shape[0]
@@ -160,7 +160,7 @@ class Grid:
         sizes `bucket`ed; padding lanes read line -1, padding rows (`pad`) free cells."""
         Bc, Tq = len(lanes), max(len(ps) for _, ps, _ in lanes)
         Tk, m = max(ps[-1] for _, ps, _ in lanes) + 1, sum(len(ps) for _, ps, _ in lanes)
-        # fits: m <= Bc Tq <= bucket(Bc) bucket(Tq): a power of 2 (both <= 128) or 128k, so >= bucket(m)
+        # free cells >= m_pad - m: m <= Bc Tq <= bucket(Bc) bucket(Tq), a power of 2 or 128k: >= bucket(m)
         m_pad = bucket(m) if static else m
         if static:
             Bc, Tq, Tk = bucket(Bc), bucket(Tq), bucket(Tk)
@@ -235,8 +235,8 @@ class Rows:
             index.append(i)
         kv = {b: (r - 1) * S + slot_of[b] for b, (r, _, _) in lanes.items()}
         pad, grids, shapes = itertools.count(len(rows)), [], []  # padding rows' indices
-        for alone in (True, False):  # lanes of one row, then of several
-            some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == alone]
+        for single in (True, False):  # lanes of one row, then of several
+            some = [(kv[b], ps, ix) for b, (_, ps, ix) in lanes.items() if (len(ps) == 1) == single]
             if some:
                 grid, shape = Grid.of(some, static, pad)
                 grids, shapes = grids + [grid], shapes + [shape]
@@ -264,10 +264,9 @@ class Rows:
 # Static numerics (CUDA graphs): a call's sizes `bucket`ed, padded with rows (zeros,
 # position 0) and lanes. NOTE: no padding reaches a real row: rows are alone in linear
 # layers and norms; padding writes line -1 (racing itself), read by padding lanes only (a
-# padding row in a real lane reads its key 0, its output dropped); a real row's keys past
-# its position weigh 0, adding exactly 0 on finite values (the cache starts zeroed; a
-# non-finite one read makes a readout non-finite: the rollout stops); a padding row has key
-# 0 (no all -inf softmax). Replays pad alike. A static cache is bucket(T) long and Tk <= T.
+# padding row in a real lane reads key 0: no all -inf softmax; its output is dropped); a
+# real row's keys past it weigh 0, exactly 0 if finite (the cache starts zeroed; a non-finite
+# one makes a readout non-finite: the rollout stops). Replays pad alike; Tk <= cache length.
 # CUDA graphs (`CallGraphs`, below the banner): one a call shape (grids, rows, cache),
 # recorded from the eager static call at its first occurrence and checked against it bit for
 # bit (real rows); a launch reruns those kernels on the call's rows copied into its inputs
@@ -348,8 +347,8 @@ class Attention(nn.Module):
         att = (qp @ K.transpose(-1, -2) * D**-0.5).view(Bc, KVH, rep, Tq, Tk)
         att = att.masked_fill(masked[:, :, None], float("-inf"))  # (Bc, 1, 1, Tq, Tk)
         att = torch.softmax(att, dim=-1, dtype=acc_dtype(dtype)).view(Bc, KVH, rep * Tq, Tk)
-        y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)
-        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # padding out
+        y = (att.to(dtype) @ V).view(Bc, KVH, rep, Tq, D).permute(0, 3, 1, 2, 4)  # (Bc, Tq, KVH, rep, D)
+        y = y.reshape(m, KVH, rep, D) if Tq == 1 else y[g.lane, g.col]  # empty cells (pos 0) out
         return self.o_proj(y.reshape(m, H * D))
 
 
@@ -488,13 +487,13 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
     x = cache.h[slot, pos]  # (n, C): loop r-1's output
     if 1 in loops:  # loop 1 reads the embedding
         x = torch.where((r == 1)[:, None], model.model.embed_tokens(tokens[seq, pos]), x)
-    cache.depth[slot, pos] = r  # before `missing`: K/V are written first
+    cache.depth[slot, pos] = r  # before `missing`: a call's rows write K/V, then attend
     needed = torch.arange(cache.depth.shape[1], device=seq.device) <= rows.lane_last[:, None]
     missing = (needed & (cache.depth[rows.lane_slot] < rows.lane_loop[:, None])).sum()
     if late + missing:  # one read back per call
         raise ScheduleError(f"call at loops {sorted(loops)}: a row not at loop r - 1, or a K/V never computed")
     x = F.pad(x, (0, 0, 0, rows.pad)) if rows.pad else x  # static: zeros
-    h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]
+    h = (model.call_graphs or model.loop)(x, rows, cache.k, cache.v, numerics)[: len(call.rows)]  # static: graphs
     cache.h[slot, pos] = h
     if call.share:
         cache.copy_sequences(call.share)
@@ -502,7 +501,7 @@ def execute_call(model: LoopedLM, call: Call, tokens: Tensor, cache: LoopCache, 
 
 
 class ExactKV:
-    """The method's KV policy: every K/V read is exact. Hooks: other engines' (tooling)."""
+    """The method's KV policy: every K/V read is exact. Hooks: other engines' (below the banner)."""
 
     prefill_all_loops = False  # does the prefill run every loop?
 
@@ -566,7 +565,8 @@ def sample_exits(g: Tensor, r: Tensor, R: int, min_loops: int, u: Tensor) -> Ten
 
 
 def exit_logprob(gate_logits: Tensor, exits: Tensor, min_loops: int = 1) -> Tensor:
-    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...).
+    """log p(exit = e) under `sample_exits`: gates (..., R), exits (...) (0: 0) -> (...): the sum over
+    min_loops <= r < e of log(1 - lam_r), + log lam_e if e < R (-inf: 1 <= e < min_loops).
     NOTE: computed here only, for rollout, replay, teacher forcing alike, on (B, N, R) gates of
     one shape: the same bits."""
     R = gate_logits.shape[-1]
@@ -703,12 +703,6 @@ class Rollout:
         T = max(map(len, seqs))
         return torch.tensor([s + [0] * (T - len(s)) for s in seqs], dtype=torch.long, device=device)
 
-    def select(self, seqs: list[int]) -> Rollout:
-        """Sequences `seqs` alone, no schedule."""
-        lists = {k: [getattr(self, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
-        tensors = {k: getattr(self, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
-        return dataclasses.replace(self, **lists, **tensors, schedule=None)
-
 
 def shared_prefix(prompts: list[list[int]], R: int) -> list[Call]:
     """A group's prompt once, for teacher forcing (the rollout: `Seats`): its first runs it
@@ -744,7 +738,7 @@ class Seats:
         leader = {}
         for b, _ in enter:
             a = leader.setdefault(tuple(self.prompts[b]), b)
-            if a != b and self.ends[b] > 0:
+            if a != b and self.ends[b] > 0:  # a one-token prompt: nothing before its end to share
                 self.held[b], self.focus[a] = a, self.ends[a] - 1  # b waits, a runs 0..end-1
         return enter
 
@@ -781,7 +775,7 @@ def deciding_gates(model: LoopedLM, h: Tensor, rows: Rows, prompt_end, exits, ga
 
 
 def decide_exits(model: LoopedLM, policy: Policy, call: Call, h: Tensor, rows: Rows, tape: Tape, gens, tau):
-    """Rollout step 3: deciders exit by rule or draw (taped) -> the exiting rows."""
+    """Rollout step 3: deciders (only a focus: riders exited) exit by rule or draw -> exiting rows."""
     decided = deciding_gates(model, h, rows, tape.prompt_end, tape.exits, tape.gates, policy.numerics)
     if decided is None:
         return []
@@ -822,7 +816,7 @@ def rollout(
     """Sample completions of `prompts` under `policy`, recorded. At most `max_num_seqs` in flight
     (0: all), a slot each. A call advances each sequence a loop (§4): its focus runs loop r,
     earlier positions at r - 1 ride along; an exiting focus samples the next token, the new
-    focus at once (deferred) or after loop R (dense). NOTE: complete: once the focus ran loop r,
+    focus at once (deferred) or after loop R (dense). Complete: once the focus ran loop r,
     all earlier positions ran >= r (each call lifts those at r - 1; none is lower). Safe: loop r
     reads its loop r - 1 output and earlier loop-r K/V, which exist: one function of the tokens.
     The README's deferred grid: focus 4 runs loop 1 (call 8), exits; focus 5 runs loops 1-3
@@ -830,7 +824,7 @@ def rollout(
     cfg, dev, numerics = model.config, model.device, policy.numerics
     R, B, N = cfg.total_ut_steps, len(prompts), max_new_tokens
     T = max(map(len, prompts)) + N
-    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or min(N, max_num_seqs + 1) < 1:
+    if not all(prompts) or T > cfg.max_position_embeddings or policy.min_loops > R or N < 1 or max_num_seqs < 0:
         need = f"non-empty prompts, prompt + {N} new tokens <= max_position_embeddings, min_loops <= R"
         raise ValueError(f"need {need}, max_new_tokens >= 1, max_num_seqs >= 0")
     tau = cfg.early_exit_threshold if policy.exit_threshold is None else policy.exit_threshold
@@ -874,14 +868,14 @@ def rollout(
             stopped.update([b] if stop else [])
             if not (stop or runs_all(b)):
                 focus[b], ran[b] = p + 1, 0  # deferred: the new position is focus
-        # 5) A focus done with loop R moves on: the prompt's end, next position, or out (deferred:
-        # an exit moved it on in 4; at R here: dense, a full prefill, a leader's shared prompt).
+        # 5) After loop R a leader's (focus end - 1) group goes on; a stopped sequence frees its slot
+        # (deferred: at its exit); a dense (or full-prefill) focus takes the next position.
         for s, b in live:
-            if ran[b] == R and focus[b] < ends[b]:  # a leader's prompt, shared
+            if ran[b] == R and focus[b] < ends[b]:
                 seats.shared(b)
             elif b in stopped and (ran[b] == R or not runs_all(b)):
-                del seats.seat[s]  # free for the next (deferred: at its exit; dense: after R)
-            elif ran[b] == R:  # dense, a full prefill: the next position
+                del seats.seat[s]
+            elif ran[b] == R:
                 focus[b], ran[b] = focus[b] + 1, 0
     # 6) Exits' log-probs from the deciding gates (B, N, R): the replay's shape, zeros.
     sampled = policy.exit_policy == "sampled"  # threshold: log p(exit) = 0
@@ -941,7 +935,7 @@ def teacher_forced_schedule(ro: Rollout, loops: int) -> list[Call]:
     """Teacher forcing's dense schedule: loop r of all positions a call, read at recorded exits.
     It keeps §4's rule (rows at depth r - 1, K/V read exist): the rollout's function."""
     kv, calls = KV_POLICIES[ro.policy.kv], shared_prefix(ro.prompts, loops)
-    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # prompt shared
+    grouped = set(itertools.chain(*calls[-1].share)) if calls else set()  # 0..end-1: shared_prefix's
     for r in range(1, loops + 1):
         rows, readout = [], []
         for b, (prompt, c, exits) in enumerate(zip(ro.prompts, ro.completions, ro.exit_loops)):
@@ -979,7 +973,7 @@ def learner_logprobs(
     model: LoopedLM, ro: Rollout, numerics: str = "fast", value: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
     """(hybrid(value, tf), tf) (B, N), joint. value: exact (token, exit) log-probs (iteration 1:
-    the records); None: the replay's."""
+    the records: `joint_logprobs` is the same sum of the same bits); None: the replay's."""
     value = replay_logprobs(model, ro, with_exits=True) if value is None else value
     tf_tok, tf_exit = teacher_forced_logprobs(model, ro, numerics, with_exits=True)
     tok, ext = hybrid(value[0].to(model.device), tf_tok), hybrid(value[1].to(model.device), tf_exit)
@@ -997,7 +991,7 @@ def learner_logprobs(
 # THE METHOD ENDS HERE. Everything above is the method, complete: a reader who stops here has read it
 # all. Everything below is tooling (GRPO's loss and step, CUDA graphs, config files and HF checkpoints,
 # tokenizers, data and rewards, the warm start, the trainer and torchrun, the oracle, the bench, the
-# commands); nothing above needs it (`CallGraphs` stand in for `LoopedLM.loop` in static calls: the same bits).
+# commands); nothing above needs it (`CallGraphs` run `LoopedLM.loop`'s static calls: its bits, checked).
 # ===================================================================================================
 
 
@@ -1097,11 +1091,18 @@ def _audit_first_iteration(model: LoopedLM, ro: Rollout, logp_old: Tensor, mask)
     return metrics
 
 
+def select(ro: Rollout, seqs: list[int]) -> Rollout:
+    """Sequences `seqs` of `ro` alone, no schedule."""
+    lists = {k: [getattr(ro, k)[b] for b in seqs] for k in ("prompts", "completions", "exit_loops")}
+    tensors = {k: getattr(ro, k)[seqs] for k in ("logprobs", "mask", "exit_logprobs")}
+    return dataclasses.replace(ro, **lists, **tensors, schedule=None)
+
+
 def micro_batch_logprobs(model, ro, piece: list[int], live: list[int], value, logp_old, numerics: str):
     """`learner_logprobs` (b, N) of rows `piece`: `live` ones forced, the others logp_old (they add 0)."""
     forced = [j for j, b in enumerate(piece) if b in set(live)]
     picked, rows = [piece[j] for j in forced], torch.tensor(forced, device=model.device)
-    lp = learner_logprobs(model, ro.select(picked), numerics, tuple(v[picked] for v in value))
+    lp = learner_logprobs(model, select(ro, picked), numerics, tuple(v[picked] for v in value))
     return tuple(logp_old[piece].index_put((rows,), x) for x in lp)
 
 
@@ -1144,7 +1145,7 @@ def grpo_update(
     refs = [None] * len(pieces)  # the KL reference's, per micro-batch
     for i, piece in enumerate(pieces if grpo.beta > 0 else []):
         with torch.no_grad():
-            refs[i] = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, ro.select(piece), numerics, True))
+            refs[i] = joint_logprobs(ro, *teacher_forced_logprobs(ref_model, select(ro, piece), numerics, True))
     metrics, clip_ratios = {}, []
     for it in range(grpo.mu):
         # ---- the GRPO iteration: BEGIN ----
@@ -1485,10 +1486,8 @@ def config_from_dict(d: dict, source: str = "<dict>") -> Config:
 
 def config_to_hf(cfg: Config) -> dict:
     """The HF Ouro config.json of a model (so HF's own code can load what we save)."""
-    return dataclasses.asdict(cfg) | dict(
-        model_type="ouro", architectures=["OuroForCausalLM"], hidden_act="silu", rope_scaling=None,
-        use_sliding_window=False, attention_dropout=0.0,
-    )  # fmt: skip
+    extra = dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False, attention_dropout=0.0)
+    return dataclasses.asdict(cfg) | dict(model_type="ouro", architectures=["OuroForCausalLM"], **extra)
 
 
 def load_config(path: str | os.PathLike) -> Config:

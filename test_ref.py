@@ -2071,7 +2071,7 @@ def test_a_group_computes_its_prompt_once_and_changes_no_bits(case, group, mode,
         for parts in ([list(range(len(prompts)))], [[b] for b in range(len(prompts))]):
             model.zero_grad()
             for seqs in parts:
-                tok, ext = S.teacher_forced_logprobs(model, ro.select(seqs), "invariant", with_exits=True)
+                tok, ext = S.teacher_forced_logprobs(model, S.select(ro, seqs), "invariant", with_exits=True)
                 (tok + ext).sum().backward()
             grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         scale = float(grads[1].abs().max())  # float32 sums in another order: rounding relative to the largest term
